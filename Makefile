@@ -1,0 +1,25 @@
+# Everything runs in a local virtual environment that the first target creates (about 2 minutes:
+# Composer pins torch <2.7.1, so pip brings torch 2.7.0 from PyPI).
+VENV ?= .venv
+PYTHON ?= python3
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+demo: $(STAMP)
+	$(VENV)/bin/composer -n 2 examples/demo.py
+
+test: $(STAMP)
+	$(VENV)/bin/pytest
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/run.py
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[test,examples,bench]'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,15 @@
+"""composer-join: data-parallel training in MosaicML Composer when ranks have different amounts of data.
+
+Switch it on with one algorithm::
+
+    from composer_join import UnevenJoin
+    trainer = Trainer(..., algorithms=[UnevenJoin()])
+"""
+
+from composer_join.algorithm import UnevenJoin, is_shadow_step
+from composer_join.errors import UnevenInputsError
+from composer_join.report import EpochReport
+
+__all__ = ['EpochReport', 'UnevenInputsError', 'UnevenJoin', 'is_shadow_step']
+
+__version__ = '0.1.0'

@@ -1,0 +1,274 @@
+"""``UnevenJoin``: the Composer algorithm that lets ranks with less data join instead of stopping everyone.
+
+The class only routes Composer events to the pieces that do the work:
+
+========================  ======================================================================
+event                     what happens
+========================  ======================================================================
+``FIT_START``             agree on the epoch length (longest rank's), wrap the train dataloader
+                          in a :class:`~composer_join.loader.JoinLoader`, hook DDP's buffer
+                          broadcast (:mod:`composer_join.ddp`)
+``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
+``BEFORE_TRAIN_BATCH``    reset the microbatch cursor, move the buffer source off an exhausted rank
+``BEFORE_FORWARD``        shadow: swap the empty batch for a two-sample template, guard buffers;
+                          real: keep a template; uneven microbatch counts: sync only the last one
+``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked
+``AFTER_BACKWARD``        restore DDP syncing; shadow: restore buffers, keep train metrics out
+``AFTER_TRAIN_BATCH``     put train metrics back
+``EPOCH_END``             log the epoch's per-rank report
+========================  ======================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from composer.core import Algorithm, DataSpec, Event, State
+from composer.loggers import Logger
+from composer.utils import dist
+from torch.nn.parallel import DistributedDataParallel
+
+from composer_join.batches import first_samples
+from composer_join.ddp import BufferGuard, BufferSource, broadcast_buffers_from
+from composer_join.gradients import scale_grad
+from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader
+from composer_join.plan import StepPlan
+from composer_join.report import EpochReport
+
+__all__ = ['UnevenJoin', 'is_shadow_step']
+
+log = logging.getLogger(__name__)
+
+_EVENTS = (
+    Event.FIT_START, Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_LOSS, Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH, Event.EPOCH_END,
+)
+
+
+class UnevenJoin(Algorithm):
+    """Train data-parallel with a different amount of data on each rank, dropping nothing.
+
+    Every rank trains on every batch of its own shard, every epoch. A rank that runs out *joins*:
+    it keeps running Composer's real training step on a shadow batch (two samples whose gradient
+    is multiplied by zero, counted as zero samples), so it takes part in every collective of the
+    step (DDP's gradient all-reduce and all of Composer's own) and takes the same optimizer step,
+    until the last rank runs out. Then the epoch ends on all ranks at the same step.
+
+    At step ``t``, with ``A_t`` of ``W`` ranks holding real data and ``S_t`` real samples in all,
+    the gradient applied is the mean of the per-sample loss gradients over the ``S_t`` samples,
+    times ``A_t / W`` if ``divide_by_initial_world_size`` (torch's default) and times 1 otherwise.
+
+    Cost: one small collective per step (``48 * W`` bytes) to agree on who still has data; a
+    shadow step costs a two-sample forward and backward.
+
+    Example::
+
+        from composer import Trainer
+        from composer_join import UnevenJoin
+
+        trainer = Trainer(
+            model=model, train_dataloader=this_ranks_shard, max_duration='2ep',
+            algorithms=[UnevenJoin()],
+        )
+        trainer.fit()
+        print(trainer.state.algorithms[0].reports[-1].summary())  # what each rank trained
+
+    Args:
+        divide_by_initial_world_size: as in ``DistributedDataParallel.join``: if True (default)
+            the gradient is divided by the full world size even when some ranks have joined
+            (the mean over real samples times ``A_t / W``); if False, by the number of ranks that
+            still have data (the plain mean over real samples).
+        enable: if False the algorithm does nothing and Composer behaves as without it.
+        throw_on_early_termination: if True, every rank raises :class:`UnevenInputsError` at the
+            first step where some rank has no batch left, before any optimizer step for it.
+    """
+
+    def __init__(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ):
+        for name, value in (
+            ('divide_by_initial_world_size', divide_by_initial_world_size),
+            ('enable', enable),
+            ('throw_on_early_termination', throw_on_early_termination),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f'UnevenJoin({name}=...) must be True or False, got {value!r}')
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+        self.enable = enable
+        self.throw_on_early_termination = throw_on_early_termination
+        self.reports: list[EpochReport] = []  # one per finished epoch, the same on every rank
+        self._active = False
+        self._loader: Optional[JoinLoader] = None
+        self._template: Any = None  # two prepared samples, the shadow forward's input
+        self._guard: Optional[BufferGuard] = None
+        self._source = BufferSource()
+        self._hooked: Optional[DistributedDataParallel] = None
+        self._samples_seen = 0
+        self._sync_suppressed = False
+        self._stashed_metrics: Optional[dict] = None
+
+    def __repr__(self) -> str:
+        return (
+            f'UnevenJoin(divide_by_initial_world_size={self.divide_by_initial_world_size}, '
+            f'enable={self.enable}, throw_on_early_termination={self.throw_on_early_termination})'
+        )
+
+    @property
+    def plan(self) -> Optional[StepPlan]:
+        """The current step's plan, while a training epoch is running."""
+        return self._loader.plan if self._active and self._loader is not None else None
+
+    @property
+    def is_shadow_step(self) -> bool:
+        """True while this rank runs a shadow step (it has run out of data, others have not)."""
+        plan = self.plan
+        return plan is not None and not plan.has_batch(dist.get_global_rank())
+
+    def match(self, event: Event, state: State) -> bool:
+        return event in _EVENTS and (self._active or event == Event.FIT_START)
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event == Event.FIT_START:
+            self._fit_start(state)
+        elif event == Event.EPOCH_START:
+            self._loader.set_epoch(int(state.timestamp.epoch))
+        elif event == Event.BEFORE_TRAIN_BATCH:
+            self._samples_seen = 0
+            self._source.update(self.plan)
+        elif event == Event.BEFORE_FORWARD:
+            self._before_forward(state)
+        elif event == Event.AFTER_LOSS:
+            factor = 0.0 if self.is_shadow_step else self.plan.grad_factor(self.divide_by_initial_world_size)
+            if factor != 1.0:
+                state.loss = scale_grad(state.loss, factor)
+        elif event == Event.AFTER_BACKWARD:
+            self._after_backward(state)
+        elif event == Event.AFTER_TRAIN_BATCH and self._stashed_metrics is not None:
+            state.train_metrics, self._stashed_metrics = self._stashed_metrics, None
+        elif event == Event.EPOCH_END:
+            self._epoch_end(logger)
+
+    # -- FIT_START -------------------------------------------------------------------------------
+
+    def _fit_start(self, state: State) -> None:
+        why = 'enable=False' if not self.enable else 'world size is 1' if dist.get_world_size() == 1 else None
+        if why is not None:
+            self._active = False
+            log.info('UnevenJoin is inactive (%s): training runs exactly as stock Composer.', why)
+            return
+        self._active = True
+        dataloader = state.dataloader
+        if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer
+            dataloader = dataloader.dataloader
+        own_len = _len_or_none(dataloader)
+        current = state.dataloader_len  # may already be cut to train_subset_num_batches
+        lengths = state.device.tensor_to_device(
+            torch.tensor([-1 if own_len is None else own_len, -1 if current is None else int(current)]),
+        )
+        table = dist.all_gather(lengths)
+        own_lens = [int(t[0]) for t in table]
+        cur_lens = [int(t[1]) for t in table]
+        shared = max(cur_lens) if min(cur_lens) >= 0 else None
+        check_overflow = shared is not None and own_lens == cur_lens and shared == max(own_lens)
+        spec = DataSpec(dataloader)
+        self._loader = JoinLoader(
+            dataloader,
+            describe=lambda batch: _describe(spec, batch, state.device_train_microbatch_size),
+            length=shared,
+            check_overflow=check_overflow,
+            throw_on_early_termination=self.throw_on_early_termination,
+            to_device=state.device.tensor_to_device,
+        )
+        state.set_dataloader(self._loader, state.dataloader_label or 'train', -1 if shared is None else shared)
+        log.info(
+            'UnevenJoin: per-rank train batches per epoch %s; every rank runs %s steps per epoch.',
+            own_lens, shared if shared is not None else 'until the last rank runs out',
+        )
+        if isinstance(state.model, DistributedDataParallel) and state.model is not self._hooked:
+            broadcast_buffers_from(state.model, lambda: self._source.rank)
+            self._guard = BufferGuard(state.model.module)
+            self._hooked = state.model
+
+    # -- per microbatch --------------------------------------------------------------------------
+
+    def _before_forward(self, state: State) -> None:
+        plan, rank = self.plan, dist.get_global_rank()
+        ddp = state.model if isinstance(state.model, DistributedDataParallel) else None
+        if ddp is not None and ddp.require_backward_grad_sync and not plan.even_microbatches:
+            # Ranks split this step into different numbers of microbatches, and the sync strategy
+            # syncs every microbatch: sync only each rank's last one, which gives the same sum.
+            total = plan.statuses[rank].samples
+            self._samples_seen += _count(state, self._loader, state.batch)
+            if total >= 0 and self._samples_seen < total:
+                ddp.require_backward_grad_sync = False
+                self._sync_suppressed = True
+        if self.is_shadow_step:
+            if self._template is None:  # never trained on data of its own: use the shared raw template
+                self._template = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
+            state.batch = self._template
+            if self._guard is not None:
+                self._guard.armed = True
+        elif self._template is None:
+            self._template = first_samples(state.batch, TEMPLATE_SAMPLES)
+
+    def _after_backward(self, state: State) -> None:
+        if self._sync_suppressed:
+            state.model.require_backward_grad_sync = True
+            self._sync_suppressed = False
+        if self.is_shadow_step:
+            if self._guard is not None:
+                self._guard.restore()
+            if state.train_metrics:
+                self._stashed_metrics, state.train_metrics = state.train_metrics, {}
+
+    # -- EPOCH_END -------------------------------------------------------------------------------
+
+    def _epoch_end(self, logger: Logger) -> None:
+        report = self._loader.report
+        self.reports.append(report)
+        logger.log_metrics(report.metrics())
+        if dist.get_global_rank() == 0:
+            log.info('UnevenJoin %s', report.summary())
+
+
+def is_shadow_step(state: State) -> bool:
+    """True if this rank is running a shadow step: it has run out of data and only keeps the others company.
+
+    Meant for callbacks that should skip shadow steps (e.g. per-rank data statistics). Outside
+    training, or without an active :class:`UnevenJoin`, it is False.
+
+    Example::
+
+        class CountRealSteps(Callback):
+            def batch_end(self, state, logger):
+                if not is_shadow_step(state):
+                    self.steps += 1
+    """
+    return any(isinstance(a, UnevenJoin) and a.is_shadow_step for a in state.algorithms)
+
+
+def _len_or_none(dataloader: Any) -> Optional[int]:
+    try:
+        return len(dataloader)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def _count(state: State, loader: JoinLoader, batch: Any) -> int:
+    samples, _ = loader.describe(batch)
+    return max(samples, 0)
+
+
+def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, int]:
+    """(samples, microbatches) as Composer's default ``DataSpec`` counts and splits ``batch``."""
+    try:
+        samples = int(spec.get_num_samples_in_batch(batch))
+    except (ValueError, NotImplementedError, TypeError, AttributeError):
+        return -1, 0
+    if not isinstance(microbatch_size, int) or microbatch_size <= 0:
+        return samples, 0
+    return samples, max(1, -(-samples // microbatch_size))

@@ -1,0 +1,192 @@
+"""The train dataloader Composer iterates while UnevenJoin is active.
+
+:class:`JoinLoader` wraps one rank's own dataloader. Composer's ``_iter_dataloader`` calls ``next``
+on it once per step on every rank; inside that call the loader
+
+1. fetches this rank's next batch (or notes that it has run out, or that fetching failed);
+2. agrees with all ranks on a :class:`~composer_join.plan.StepPlan` (one small collective);
+3. stops the epoch on every rank when no rank has data left, raises :class:`UnevenInputsError`
+   on every rank when the plan says so, and otherwise yields the real batch, or, on a rank that
+   has run out, a *shadow batch*: the same structure with zero samples. Composer counts a shadow
+   batch as zero samples and zero tokens and splits it into one microbatch, so all of Composer's
+   per-step collectives still match across ranks.
+
+A rank that has never seen a batch (an empty shard) is sent a one-or-two sample template by the
+lowest rank with data, once, to learn the batch structure.
+
+Example (what the algorithm does at ``Event.FIT_START``)::
+
+    loader = JoinLoader(state.dataloader, length=shared_len, describe=describe)
+    state.set_dataloader(loader, 'train', shared_len)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from composer_join.batches import first_samples, sample_lists, to_cpu
+from composer_join.errors import UnevenInputsError
+from composer_join.plan import RankStatus, StepPlan, agree
+from composer_join.report import EpochReport
+from composer.utils import dist
+
+__all__ = ['JoinLoader', 'TEMPLATE_SAMPLES']
+
+log = logging.getLogger(__name__)
+
+TEMPLATE_SAMPLES = 2
+"""Samples in a shadow forward: two, so that BatchNorm in training mode accepts it."""
+
+Describe = Callable[[Any], tuple[int, int]]
+
+
+class JoinLoader:
+    """One rank's dataloader, made to end every epoch on all ranks at the same step.
+
+    Args:
+        dataloader: this rank's own train dataloader (any iterable of batches).
+        describe: ``batch -> (samples, microbatches)`` as Composer will count and split it;
+            ``-1`` samples or ``0`` microbatches where that cannot be known.
+        length: the shared number of batches per epoch (the longest rank's), or ``None`` if some
+            rank's dataloader has no ``len()``.
+        check_overflow: peek past ``length`` at the last step, and fail on every rank if some
+            dataloader yields more than its ``len()`` promised (its extra batches would be lost).
+        throw_on_early_termination: raise :class:`UnevenInputsError` on every rank at the first
+            step where some rank has no batch, instead of shadowing.
+        to_device: moves the agreement tensor to the trainer's device (``state.device.tensor_to_device``).
+    """
+
+    def __init__(
+        self,
+        dataloader: Iterable,
+        describe: Describe,
+        length: Optional[int] = None,
+        check_overflow: bool = False,
+        throw_on_early_termination: bool = False,
+        to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ):
+        self.dataloader = dataloader
+        self.describe = describe
+        self.length = length
+        self.check_overflow = check_overflow
+        self.throw_on_early_termination = throw_on_early_termination
+        self.to_device = to_device
+        self.template: Optional[Any] = None  # first samples of a real batch, on the CPU
+        self.plan: Optional[StepPlan] = None  # the current step's plan, while iterating
+        self.report = EpochReport(epoch=0, world_size=dist.get_world_size())
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError('some rank\'s train dataloader has no len(), so the epoch length is unknown')
+        return self.length
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called at every epoch start: reshuffles a ``DistributedSampler`` as Composer would."""
+        self.epoch = epoch
+        sampler = _distributed_sampler(self.dataloader)
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = iter(self.dataloader)
+        self.report = EpochReport(epoch=self.epoch, world_size=dist.get_world_size())
+        exhausted = False
+        step = 0
+        try:
+            while True:
+                batch, error, status = None, None, None
+                if not exhausted:
+                    try:
+                        batch = next(batches)
+                    except StopIteration:
+                        exhausted = True
+                    except Exception as e:  # reported to every rank below, then re-raised here
+                        error = e
+                if exhausted and error is None and self.template is not None and sample_lists(self.template):
+                    error = UnevenInputsError(
+                        f'rank {dist.get_global_rank()} ran out of data at step {step} and must shadow the others, but '
+                        f'its batches hold Python lists of samples (e.g. strings), which Composer\'s default '
+                        f'split_batch cannot split when empty. Make the dataloader yield tensors only, or use '
+                        f'UnevenJoin(throw_on_early_termination=True) to stop instead.',
+                    )
+                if error is not None:
+                    status = RankStatus(has_batch=False, failed=True)
+                elif exhausted:
+                    status = RankStatus(has_batch=False, samples=0, microbatches=1, needs_template=self.template is None)
+                else:
+                    if self.template is None:
+                        self.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
+                    samples, microbatches = self.describe(batch)
+                    overflow = False
+                    if self.check_overflow and self.length is not None and step == self.length - 1:
+                        overflow, exhausted = _peek(batches)
+                    status = RankStatus(True, samples, microbatches, overflow=overflow)
+
+                plan = agree(step, status, self.to_device)
+                self._raise_if_needed(plan, error)
+                if not plan.active_ranks:
+                    return
+                if plan.template_source is not None:
+                    self._share_template(plan.template_source)
+                self.plan = plan
+                self.report.record(plan)
+                yield batch if status.has_batch else first_samples(self.template, 0)
+                step += 1
+        finally:
+            self.plan = None
+
+    def _raise_if_needed(self, plan: StepPlan, error: Optional[BaseException]) -> None:
+        failed = [r for r, s in enumerate(plan.statuses) if s.failed]
+        if failed:
+            msg = (
+                f'rank(s) {failed} could not form batch {plan.step} of epoch {self.epoch} (their dataloader raised, '
+                f'or their data cannot be shadowed); every rank stops here, the failing rank raises the cause'
+            )
+            if error is not None:
+                raise error
+            raise UnevenInputsError(msg)
+        overflow = [r for r, s in enumerate(plan.statuses) if s.overflow]
+        if overflow:
+            raise UnevenInputsError(
+                f'the train dataloader of rank(s) {overflow} yielded more than the {self.length} batches per epoch '
+                f'that the longest len() promised; the extra batches would be silently dropped. Make __len__ of '
+                f'each rank\'s dataset match what it yields, or remove __len__ so the epoch ends when data does.',
+            )
+        if self.throw_on_early_termination and plan.active_ranks and plan.joined_ranks:
+            counts = ', '.join(f'rank {r}: {n}' for r, n in enumerate(self.report.real_batches))
+            raise UnevenInputsError(
+                f'rank(s) {plan.joined_ranks} ran out of training data at step {plan.step} of epoch {self.epoch} '
+                f'while rank(s) {plan.active_ranks} still have batches (batches so far: {counts}). '
+                f'UnevenJoin(throw_on_early_termination=True) stops here; set it to False to let exhausted '
+                f'ranks join and shadow the others until all are done.',
+            )
+
+    def _share_template(self, source: int) -> None:
+        box = [self.template if dist.get_global_rank() == source else None]
+        dist.broadcast_object_list(box, src=source)
+        if self.template is None:
+            self.template = box[0]
+            log.info('rank %d has no data of its own; shaped its shadow batches after rank %d', dist.get_global_rank(), source)
+
+
+def _peek(batches: Iterator[Any]) -> tuple[bool, bool]:
+    """(overflow, exhausted) after trying to fetch one batch past the promised length."""
+    try:
+        next(batches)
+    except StopIteration:
+        return False, True
+    return True, False
+
+
+def _distributed_sampler(dataloader: Any) -> Optional[DistributedSampler]:
+    if not isinstance(dataloader, DataLoader):
+        return None
+    for sampler in (dataloader.sampler, getattr(dataloader.batch_sampler, 'sampler', None)):
+        if isinstance(sampler, DistributedSampler):
+            return sampler
+    return None

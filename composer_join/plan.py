@@ -1,0 +1,103 @@
+"""The per-step agreement: which ranks still have data, and what every rank needs to know about it.
+
+Once per training step, before the batch is handed to Composer, every rank contributes one row
+(``RankStatus``) and receives everybody's rows in one small ``all_reduce`` (a ``world_size x 6``
+integer tensor). From the rows each rank derives the same :class:`StepPlan`, so every decision
+that follows (shadow or real, gradient factor, buffer source, microbatch syncing, stop or go) is
+taken identically everywhere without further communication.
+
+Cost: one collective of ``48 * world_size`` bytes per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from composer.utils import dist
+
+__all__ = ['RankStatus', 'StepPlan', 'agree']
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One rank's contribution to the agreement for one step."""
+
+    has_batch: bool
+    samples: int = -1  # -1: could not be counted
+    microbatches: int = 0  # 0: unknown
+    needs_template: bool = False  # has no batch and has never seen one: must be sent a template
+    overflow: bool = False  # its dataloader yielded more batches than the shared length
+    failed: bool = False  # its dataloader raised
+
+    def row(self) -> list[int]:
+        return [int(self.has_batch), self.samples, self.microbatches,
+                int(self.needs_template), int(self.overflow), int(self.failed)]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What every rank knows about one step, identical on all ranks.
+
+    Attributes:
+        step: index of the step in the epoch (``batch_in_epoch``).
+        statuses: each rank's :class:`RankStatus`, indexed by rank.
+    """
+
+    step: int
+    statuses: tuple[RankStatus, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.statuses)
+
+    @property
+    def active_ranks(self) -> list[int]:
+        """Ranks that train on a real batch at this step."""
+        return [r for r, s in enumerate(self.statuses) if s.has_batch]
+
+    @property
+    def joined_ranks(self) -> list[int]:
+        """Ranks that have run out of data and shadow this step."""
+        return [r for r, s in enumerate(self.statuses) if not s.has_batch]
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active_ranks)
+
+    def has_batch(self, rank: int) -> bool:
+        return self.statuses[rank].has_batch
+
+    def grad_factor(self, divide_by_initial_world_size: bool) -> float:
+        """Factor on top of the mean over real samples: ``A_t / W`` or ``1``."""
+        return self.num_active / self.world_size if divide_by_initial_world_size else 1.0
+
+    @property
+    def even_microbatches(self) -> bool:
+        """True when every rank splits this step into the same, known number of microbatches."""
+        counts = {s.microbatches for s in self.statuses}
+        return len(counts) == 1 and 0 not in counts
+
+    @property
+    def template_source(self) -> Optional[int]:
+        """Lowest rank with data, if some rank needs a template batch at this step."""
+        if any(s.needs_template for s in self.statuses) and self.active_ranks:
+            return self.active_ranks[0]
+        return None
+
+
+def agree(step: int, status: RankStatus, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> StepPlan:
+    """Exchange ``status`` with every rank (one collective) and return the common :class:`StepPlan`.
+
+    Every rank must call this once per step, in the same order: it is a collective.
+    """
+    world_size, rank = dist.get_world_size(), dist.get_global_rank()
+    table = torch.zeros(world_size, 6, dtype=torch.int64)
+    table[rank] = torch.tensor(status.row(), dtype=torch.int64)
+    table = to_device(table)
+    dist.all_reduce(table, reduce_operation='SUM')
+    statuses = tuple(
+        RankStatus(bool(h), int(s), int(m), bool(t), bool(o), bool(f)) for h, s, m, t, o, f in table.cpu().tolist()
+    )
+    return StepPlan(step=step, statuses=statuses)

@@ -1,0 +1,91 @@
+"""Per-epoch accounting: what each rank trained, what it shadowed, and what stock Composer would have dropped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from composer_join.plan import StepPlan
+
+__all__ = ['EpochReport']
+
+
+@dataclass
+class EpochReport:
+    """Counts for one epoch, the same on every rank (they come from the per-step agreement).
+
+    Attributes:
+        epoch: the epoch's index.
+        real_batches: per rank, batches trained on real data.
+        real_samples: per rank, samples in those batches (as Composer counts them; -1 if uncountable).
+        shadow_steps: per rank, steps taken on a shadow batch after running out.
+        batch_sizes: per rank, the sample count of each real batch, in order.
+    """
+
+    epoch: int
+    world_size: int
+    real_batches: list[int] = field(default_factory=list)
+    real_samples: list[int] = field(default_factory=list)
+    shadow_steps: list[int] = field(default_factory=list)
+    batch_sizes: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        w = self.world_size
+        self.real_batches = self.real_batches or [0] * w
+        self.real_samples = self.real_samples or [0] * w
+        self.shadow_steps = self.shadow_steps or [0] * w
+        self.batch_sizes = self.batch_sizes or [[] for _ in range(w)]
+
+    def record(self, plan: StepPlan) -> None:
+        """Add one step (called by the loader once per agreed step)."""
+        for rank, status in enumerate(plan.statuses):
+            if status.has_batch:
+                self.real_batches[rank] += 1
+                self.batch_sizes[rank].append(status.samples)
+                if self.real_samples[rank] >= 0:
+                    self.real_samples[rank] = self.real_samples[rank] + status.samples if status.samples >= 0 else -1
+            else:
+                self.shadow_steps[rank] += 1
+
+    @property
+    def steps(self) -> int:
+        return max(self.real_batches, default=0)
+
+    @property
+    def stock_dropped_batches(self) -> int:
+        """Batches stock Composer would not train: it ends every epoch at the shortest rank."""
+        shortest = min(self.real_batches, default=0)
+        return sum(n - shortest for n in self.real_batches)
+
+    @property
+    def stock_dropped_samples(self) -> int:
+        """Samples in those batches (-1 if some could not be counted)."""
+        shortest = min(self.real_batches, default=0)
+        tails = [s for sizes in self.batch_sizes for s in sizes[shortest:]]
+        return -1 if any(s < 0 for s in tails) else sum(tails)
+
+    def metrics(self) -> dict[str, int]:
+        """The report as Composer logger metrics, under ``uneven_join/``."""
+        out = {
+            'uneven_join/epoch_steps': self.steps,
+            'uneven_join/stock_would_drop_batches': self.stock_dropped_batches,
+            'uneven_join/stock_would_drop_samples': self.stock_dropped_samples,
+        }
+        for rank in range(self.world_size):
+            out[f'uneven_join/rank_{rank}/real_batches'] = self.real_batches[rank]
+            out[f'uneven_join/rank_{rank}/real_samples'] = self.real_samples[rank]
+            out[f'uneven_join/rank_{rank}/shadow_steps'] = self.shadow_steps[rank]
+        return out
+
+    def summary(self) -> str:
+        """A few lines for people: per rank, real batches, samples and shadow steps."""
+        lines = [f'epoch {self.epoch}: {self.steps} steps on all ranks']
+        for rank in range(self.world_size):
+            lines.append(
+                f'  rank {rank}: {self.real_batches[rank]} real batches ({self.real_samples[rank]} samples), '
+                f'{self.shadow_steps[rank]} shadow steps',
+            )
+        lines.append(
+            f'  stock Composer would have dropped {self.stock_dropped_batches} batches '
+            f'({self.stock_dropped_samples} samples)',
+        )
+        return '\n'.join(lines)

@@ -1,0 +1,206 @@
+"""What the ranks of a distributed test run: Composer training with and without UnevenJoin, and torch's join.
+
+Each function runs on every rank of a :func:`harness.launch` and returns plain data (tensors, lists,
+dicts) that the test compares with :mod:`reference`. Not a test module.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from composer import Callback, Trainer
+from composer.loggers import InMemoryLogger
+from composer.models import ComposerModel
+from composer.optim import CosineAnnealingScheduler
+from composer.utils import dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, IterableDataset
+from torchmetrics import Metric
+
+from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
+from toy import logits, make_batch, make_module, shard, unpack
+
+
+class ShardWithLen(IterableDataset):
+    """This rank's shard, streamed in order, with ``__len__`` (the way sharded data reaches Composer)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __iter__(self):
+        return iter(zip(self.x, self.y))
+
+
+class ShardNoLen(IterableDataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        return iter(zip(self.x, self.y))
+
+
+class SamplesSeen(Metric):
+    """A train metric that counts the samples it is updated with (synced across ranks on compute)."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_state('n', default=torch.tensor(0), dist_reduce_fx='sum')
+        self.local_updates: list[int] = []
+
+    def update(self, y: torch.Tensor) -> None:
+        self.n += len(y)
+        self.local_updates.append(len(y))
+
+    def compute(self) -> torch.Tensor:
+        return self.n
+
+
+class ToyModel(ComposerModel):
+    def __init__(self, kind: str, train_metrics: bool = False):
+        super().__init__()
+        self.module = make_module(kind)
+        self.train_metrics = train_metrics
+        self.forward_sizes: list[int] = []
+
+    def forward(self, batch):
+        x, y = unpack(batch)
+        self.forward_sizes.append(len(x))
+        return logits(self.module, x, y)
+
+    def loss(self, outputs, batch):
+        return F.cross_entropy(outputs, unpack(batch)[1])
+
+    def get_metrics(self, is_train: bool = False):
+        return {'SamplesSeen': SamplesSeen()} if is_train and self.train_metrics else {}
+
+    def update_metric(self, batch, outputs, metric):
+        metric.update(unpack(batch)[1])
+
+
+class Recorder(Callback):
+    """Per step on this rank: the learning rate, the parameters after the step, shadow or not."""
+
+    def __init__(self):
+        self.lrs: list[float] = []
+        self.params: list[torch.Tensor] = []
+        self.shadow: list[bool] = []
+        self.train_metric: list[int] = []
+
+    def batch_start(self, state, logger):
+        self.lrs.append(state.optimizers[0].param_groups[0]['lr'])
+
+    def batch_end(self, state, logger):
+        self.params.append(torch.cat([p.detach().flatten().clone() for p in state.model.parameters()]))
+        self.shadow.append(is_shadow_step(state))
+        metric = (state.train_metrics or {}).get('SamplesSeen')
+        if metric is not None:
+            self.train_metric.append(int(metric.n))  # local, after this step's updates
+
+
+class LogLines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def make_loader(cfg: dict, rank: int) -> DataLoader:
+    x, y = shard(rank, cfg['shards'][rank])
+    dataset = ShardNoLen(x, y) if cfg.get('dataset') == 'iterable_nolen' else ShardWithLen(x, y)
+    fmt = cfg.get('fmt', 'tuple')
+
+    def collate(samples):
+        return make_batch(torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]), fmt)
+
+    return DataLoader(dataset, batch_size=cfg['batch_size'], collate_fn=collate)
+
+
+def make_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
+    if cfg.get('optimizer', 'sgd') == 'adam':
+        return torch.optim.Adam(params, lr=cfg.get('lr', 0.01))
+    return torch.optim.SGD(params, lr=cfg.get('lr', 0.1), momentum=0.9)
+
+
+def train(cfg: dict) -> dict[str, Any]:
+    """One Composer ``fit`` on this rank's shard, as ``cfg`` describes; see ``reference.train``."""
+    rank = dist.get_global_rank()
+    model = ToyModel(cfg.get('model', 'mlp'), cfg.get('train_metrics', False))
+    optimizer = make_optimizer(cfg, model.parameters())
+    join = UnevenJoin(**cfg['join']) if cfg.get('join') is not None else None
+    recorder, memory, lines = Recorder(), InMemoryLogger(), LogLines()
+    logging.getLogger('composer_join').addHandler(lines)
+    logging.getLogger('composer_join').setLevel(logging.INFO)
+    trainer = Trainer(
+        model=model,
+        train_dataloader=make_loader(cfg, rank),
+        max_duration=cfg.get('max_duration', f"{cfg.get('epochs', 1)}ep"),
+        optimizers=optimizer,
+        schedulers=CosineAnnealingScheduler() if cfg.get('schedule') == 'cosine' else None,
+        algorithms=[join] if join is not None else [],
+        callbacks=[recorder],
+        loggers=[memory],
+        device='cpu',
+        progress_bar=False,
+        log_to_console=False,
+        seed=0,
+        device_train_microbatch_size=cfg.get('microbatch'),
+        ddp_sync_strategy=cfg.get('sync'),
+    )
+    error: Optional[str] = None
+    try:
+        trainer.fit()
+    except UnevenInputsError as e:
+        if not cfg.get('expect_error'):
+            raise
+        error = str(e)
+    finally:
+        trainer.close()
+        logging.getLogger('composer_join').removeHandler(lines)
+    ts = trainer.state.timestamp
+    module = model.module
+    return {
+        'error': error,
+        'params': {k: v.detach().clone() for k, v in module.named_parameters()},
+        'buffers': {k: v.detach().clone() for k, v in module.named_buffers()},
+        'optimizer': _flat_optimizer_state(optimizer),
+        'step_params': recorder.params,
+        'lrs': recorder.lrs,
+        'shadow': recorder.shadow,
+        'train_metric': recorder.train_metric,
+        'forward_sizes': model.forward_sizes,
+        'timestamp': {'batch': int(ts.batch), 'sample': int(ts.sample), 'token': int(ts.token), 'epoch': int(ts.epoch)},
+        'dataloader_len': None if trainer.state.dataloader_len is None else int(trainer.state.dataloader_len),
+        'reports': [vars(r).copy() for r in join.reports] if join is not None else [],
+        'logged': {k: [v for _, v in vals] for k, vals in memory.data.items() if k.startswith('uneven_join/')},
+        'log_lines': lines.lines,
+    }
+
+
+def _flat_optimizer_state(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    state = optimizer.state_dict()['state']
+    tensors = [v.flatten().float() for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return torch.cat(tensors) if tensors else torch.zeros(0)
+
+
+def torch_join(shards: list[int], batch_size: int, epochs: int, lr: float, divide: bool) -> dict[str, Any]:
+    """A plain training loop with torch's own ``DistributedDataParallel.join``, one ``join()`` per epoch."""
+    rank = dist.get_global_rank()
+    module = make_module('mlp')
+    ddp = DistributedDataParallel(module)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    x, y = shard(rank, shards[rank])
+    for _ in range(epochs):
+        with ddp.join(divide_by_initial_world_size=divide):
+            for i in range(0, len(y), batch_size):
+                optimizer.zero_grad()
+                F.cross_entropy(ddp(x[i:i + batch_size]), y[i:i + batch_size]).backward()
+                optimizer.step()
+    return {'params': {k: v.detach().clone() for k, v in module.named_parameters()}}

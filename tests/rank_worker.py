@@ -1,0 +1,37 @@
+"""One rank of a :func:`harness.launch`: run the calls in order, save the results. Not a test module."""
+
+import logging
+import pickle
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import rank_scenarios  # noqa: E402
+from harness import RankError  # noqa: E402
+from composer.utils import dist  # noqa: E402
+
+
+def main(spec_path: str, out_prefix: str) -> None:
+    warnings.filterwarnings('ignore')
+    logging.basicConfig(level=logging.WARNING)
+    spec = pickle.loads(Path(spec_path).read_bytes())
+    dist.initialize_dist('cpu', timeout=spec['collective_timeout'])
+    torch.set_num_threads(1)
+    results = {}
+    for name, function, kwargs in spec['calls']:
+        Path(out_prefix + '.running').write_text(name)
+        try:
+            results[name] = getattr(rank_scenarios, function)(**kwargs)
+        except Exception as e:  # recorded: the test decides whether it was expected
+            traceback.print_exc()
+            results[name] = RankError(type(e).__name__, str(e))
+    torch.save(results, out_prefix + '.pt')
+
+
+if __name__ == '__main__':
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,91 @@
+"""The single-process reference: what uneven data-parallel training should compute, written out directly.
+
+It does not use composer_join or Composer. At step ``t`` of an epoch every rank whose shard still has
+a ``t``-th batch is active (``A_t`` of ``W``), ``S_t`` real samples in all; the gradient is the mean of
+the per-sample loss gradients over those samples, times ``A_t / W`` if ``divide_by_initial_world_size``
+(the default) and times 1 otherwise. Every epoch has as many steps as the longest shard has batches.
+
+BatchNorm: each rank normalises its own batch (no SyncBatchNorm), and DDP broadcasts buffers before
+every step from a source rank: rank 0 until it runs out of data, then the highest rank with data,
+which stays the source while it has data. A rank's buffers after training are the broadcast ones,
+plus its own last batch's update if it had a batch at the last step. ``max_steps`` ends training early (as a
+``max_duration`` in batches does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from toy import make_module, per_sample_loss, shard
+
+
+def batches_of(cfg: dict, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = shard(rank, cfg['shards'][rank])
+    b = cfg['batch_size']
+    return [(x[i:i + b], y[i:i + b]) for i in range(0, len(y), b)]
+
+
+def optimizer_for(cfg: dict, params) -> torch.optim.Optimizer:
+    if cfg.get('optimizer', 'sgd') == 'adam':
+        return torch.optim.Adam(params, lr=cfg.get('lr', 0.01))
+    return torch.optim.SGD(params, lr=cfg.get('lr', 0.1), momentum=0.9)
+
+
+def train(cfg: dict, divide: bool = True) -> dict:
+    """Parameters (and BatchNorm buffers per rank) after training as ``cfg`` describes."""
+    world = len(cfg['shards'])
+    module = make_module(cfg.get('model', 'mlp'))
+    module.train()
+    optimizer = optimizer_for(cfg, module.parameters())
+    base_lr = optimizer.param_groups[0]['lr']
+    per_rank = [batches_of(cfg, r) for r in range(world)]
+    steps = max(len(b) for b in per_rank)
+    epochs = cfg.get('epochs', 1)
+    total = steps * epochs
+    buffers = {k: v.clone() for k, v in module.named_buffers()}
+    updated = [dict(buffers) for _ in range(world)]  # each rank's buffers after its own last forward
+    k, source = 0, 0
+    for _ in range(epochs):
+        for t in range(steps):
+            active = [r for r in range(world) if t < len(per_rank[r])]
+            if source not in active:
+                source = active[-1]
+            if buffers:  # DDP's broadcast before the forward; ranks without data keep what they receive
+                buffers = dict(updated[source])
+                updated = [updated[r] if r in active else buffers for r in range(world)]
+            if cfg.get('schedule') == 'cosine':
+                # Composer steps the scheduler after each batch, before the timestamp moves on.
+                frac = max(k - 1, 0) / total
+                for group in optimizer.param_groups:
+                    group['lr'] = base_lr * (1 + math.cos(math.pi * frac)) / 2
+            samples = sum(len(per_rank[r][t][1]) for r in active)
+            loss = 0.0
+            for r in active:
+                x, y = per_rank[r][t]
+                own = {n: b.clone() for n, b in buffers.items()} if buffers else None
+                loss = loss + per_sample_loss(module, x, y, own).sum()
+                if own:
+                    updated[r] = own
+            factor = len(active) / world if divide else 1.0
+            optimizer.zero_grad()
+            (loss / samples * factor).backward()
+            optimizer.step()
+            k += 1
+            final_active = active
+            if k == cfg.get('max_steps'):
+                break
+        if k == cfg.get('max_steps'):
+            break
+    final_buffers = [updated[r] if r in final_active else buffers for r in range(world)]
+    return {
+        'params': {n: p.detach().clone() for n, p in module.named_parameters()},
+        'buffers': final_buffers,
+        'steps_per_epoch': steps,
+    }
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (a.keys(), b.keys())
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)

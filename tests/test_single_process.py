@@ -1,0 +1,102 @@
+"""Single-process behaviour: world size 1 is stock Composer, the argument checks, and the small pieces."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from composer import Trainer
+from composer.core import DataSpec
+
+from composer_join import UnevenJoin
+from composer_join.batches import first_samples, sample_lists
+from composer_join.gradients import scale_grad
+from composer_join.plan import RankStatus, StepPlan
+from composer_join.report import EpochReport
+from rank_scenarios import ToyModel, make_loader
+
+
+def fit(algorithms) -> Trainer:
+    model = ToyModel('mlp')
+    trainer = Trainer(
+        model=model, train_dataloader=make_loader(dict(shards=[21], batch_size=8), 0), max_duration='2ep',
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1), algorithms=algorithms, device='cpu',
+        progress_bar=False, log_to_console=False, seed=0,
+    )
+    trainer.fit()
+    trainer.close()
+    return trainer
+
+
+def test_world_size_one_is_stock_composer_and_says_why(caplog):
+    with caplog.at_level(logging.INFO, logger='composer_join'):
+        joined = fit([UnevenJoin()])
+    stock = fit([])
+    assert any('inactive (world size is 1)' in r.getMessage() for r in caplog.records)
+    assert int(joined.state.timestamp.sample) == int(stock.state.timestamp.sample) == 42
+    for a, b in zip(joined.state.model.parameters(), stock.state.model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize('kwarg', ['divide_by_initial_world_size', 'enable', 'throw_on_early_termination'])
+def test_arguments_must_be_booleans(kwarg):
+    with pytest.raises(TypeError, match=f'{kwarg}=.*must be True or False'):
+        UnevenJoin(**{kwarg: 'yes'})
+
+
+@pytest.mark.parametrize('batch', [
+    torch.arange(10).reshape(5, 2),
+    (torch.zeros(5, 3), torch.ones(5)),
+    {'input_ids': torch.zeros(5, 7, dtype=torch.long), 'labels': torch.zeros(5)},
+])
+def test_shadow_batches_count_zero_and_split_into_one_microbatch(batch):
+    spec = DataSpec([batch])
+    shadow = first_samples(batch, 0)
+    assert spec.get_num_samples_in_batch(shadow) == 0
+    assert spec.get_num_tokens_in_batch(shadow) == 0
+    with pytest.warns(UserWarning):  # Composer warns that it cannot split a batch smaller than the microbatch
+        assert len(spec.split_batch(shadow, 2)) == 1
+    assert spec.get_num_samples_in_batch(first_samples(batch, 2)) == 2
+
+
+def test_batches_with_lists_of_samples_are_recognised():
+    assert sample_lists({'x': torch.zeros(2), 'text': ['a', 'b']})
+    assert not sample_lists({'x': torch.zeros(2), 'pair': (torch.zeros(2), torch.ones(2))})
+
+
+def test_first_samples_do_not_share_memory():
+    x = torch.zeros(4, 2)
+    copy = first_samples(x, 2)
+    copy += 1
+    assert x.sum() == 0
+
+
+def test_scale_grad_keeps_value_and_scales_gradient_of_every_loss():
+    w = torch.ones(3, requires_grad=True)
+    losses = scale_grad({'a': (w * 2).sum(), 'b': w.sum(), 'n': torch.tensor(1.0)}, 0.25)
+    assert float(losses['a']) == 6.0 and float(losses['b']) == 3.0
+    (losses['a'] + losses['b']).backward()
+    assert w.grad.tolist() == [0.75, 0.75, 0.75]
+    shadow = scale_grad((w * float('inf')).sum(), 0.0)
+    w.grad = None
+    shadow.backward()
+    assert w.grad.isnan().all()  # a zero weight cannot clean an infinite activation: documented limit
+
+
+def test_plan_factor_and_microbatch_agreement():
+    plan = StepPlan(3, (RankStatus(True, 8, 3), RankStatus(False, 0, 1), RankStatus(True, 5, 2)))
+    assert plan.active_ranks == [0, 2] and plan.joined_ranks == [1]
+    assert plan.grad_factor(True) == pytest.approx(2 / 3) and plan.grad_factor(False) == 1.0
+    assert not plan.even_microbatches
+    assert StepPlan(0, (RankStatus(True, 8, 3), RankStatus(True, 7, 3))).even_microbatches
+    assert not StepPlan(0, (RankStatus(True, -1, 0), RankStatus(True, -1, 0))).even_microbatches
+
+
+def test_report_counts_what_stock_composer_drops():
+    report = EpochReport(epoch=0, world_size=2)
+    for sizes in ([8, 8], [8, 5], [8, None], [4, None]):
+        report.record(StepPlan(0, tuple(RankStatus(s is not None, s or 0, 1) for s in sizes)))
+    assert report.real_batches == [4, 2] and report.shadow_steps == [0, 2] and report.real_samples == [28, 13]
+    assert report.stock_dropped_batches == 2 and report.stock_dropped_samples == 12
+    assert 'stock Composer would have dropped 2 batches (12 samples)' in report.summary()

@@ -13,7 +13,8 @@ event                     what happens
 ``BEFORE_FORWARD``        shadow: swap the empty batch for a two-sample template, guard buffers;
                           real: keep a template; uneven microbatch counts: sync only the last one
 ``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked
-``AFTER_BACKWARD``        restore DDP syncing; shadow: restore buffers, keep train metrics out
+``AFTER_BACKWARD``        restore DDP syncing; forced_sync: zero grads where another rank has one;
+                          shadow: restore buffers, keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back
 ``EPOCH_END``             log the epoch's per-rank report
 ========================  ======================================================================
@@ -32,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from composer_join.batches import first_samples
 from composer_join.ddp import BufferGuard, BufferSource, broadcast_buffers_from
-from composer_join.gradients import scale_grad
+from composer_join.gradients import scale_grad, share_grad_presence
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader
 from composer_join.plan import StepPlan
 from composer_join.report import EpochReport
@@ -109,6 +110,7 @@ class UnevenJoin(Algorithm):
         self._hooked: Optional[DistributedDataParallel] = None
         self._samples_seen = 0
         self._sync_suppressed = False
+        self._manual_sync = False
         self._stashed_metrics: Optional[dict] = None
 
     def __repr__(self) -> str:
@@ -198,14 +200,18 @@ class UnevenJoin(Algorithm):
     def _before_forward(self, state: State) -> None:
         plan, rank = self.plan, dist.get_global_rank()
         ddp = state.model if isinstance(state.model, DistributedDataParallel) else None
-        if ddp is not None and ddp.require_backward_grad_sync and not plan.even_microbatches:
-            # Ranks split this step into different numbers of microbatches, and the sync strategy
-            # syncs every microbatch: sync only each rank's last one, which gives the same sum.
-            total = plan.statuses[rank].samples
-            self._samples_seen += _count(state, self._loader, state.batch)
-            if total >= 0 and self._samples_seen < total:
+        mine = plan.statuses[rank].samples
+        self._samples_seen += _count(self._loader, state.batch)
+        final = 0 <= mine <= self._samples_seen  # this rank's last microbatch of the step
+        if ddp is not None:
+            if ddp.require_backward_grad_sync and not final and not plan.even_microbatches:
+                # Ranks split this step into different numbers of microbatches and the strategy
+                # syncs every microbatch: sync only each rank's last one, which gives the same sum.
                 ddp.require_backward_grad_sync = False
                 self._sync_suppressed = True
+            # No DDP sync even on the last microbatch: Composer all-reduces the gradients by hand
+            # (forced_sync), skipping parameters whose gradient is None.
+            self._manual_sync = final and not ddp.require_backward_grad_sync
         if self.is_shadow_step:
             if self._template is None:  # never trained on data of its own: use the shared raw template
                 self._template = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
@@ -219,6 +225,11 @@ class UnevenJoin(Algorithm):
         if self._sync_suppressed:
             state.model.require_backward_grad_sync = True
             self._sync_suppressed = False
+        if self._manual_sync and (state.model.find_unused_parameters or self.plan.joined_ranks):
+            # A parameter unused on one rank (a shadow's template, a data-dependent branch) must
+            # still enter Composer's manual all-reduce there, or the collectives mismatch.
+            share_grad_presence(state.optimizers, state.device.tensor_to_device)
+            self._manual_sync = False
         if self.is_shadow_step:
             if self._guard is not None:
                 self._guard.restore()
@@ -258,7 +269,7 @@ def _len_or_none(dataloader: Any) -> Optional[int]:
         return None
 
 
-def _count(state: State, loader: JoinLoader, batch: Any) -> int:
+def _count(loader: JoinLoader, batch: Any) -> int:
     samples, _ = loader.describe(batch)
     return max(samples, 0)
 

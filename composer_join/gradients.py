@@ -18,13 +18,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
+from composer.utils import dist
 
 from composer_join.batches import map_tensors
 
-__all__ = ['scale_grad']
+__all__ = ['scale_grad', 'share_grad_presence']
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -46,3 +47,23 @@ def scale_grad(loss: Any, factor: float) -> Any:
     Cost: one scalar clone per loss tensor, and one multiplication in the backward pass.
     """
     return map_tensors(lambda t: _ScaleGrad.apply(t, factor) if t.requires_grad else t, loss)
+
+
+def share_grad_presence(
+    optimizers: Sequence[torch.optim.Optimizer],
+    to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> None:
+    """Give a zero gradient to every parameter that has a gradient on some rank but none here.
+
+    Composer's ``forced_sync`` all-reduces ``p.grad`` for each parameter whose gradient is not
+    None; if that differs between ranks, so do the collectives. Call this on every rank after the
+    last backward pass of a step, before that all-reduce. Parameters without a gradient on any
+    rank keep ``None`` (so optimizers still skip them). Cost: one all-reduce of one byte per
+    parameter tensor.
+    """
+    params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group['params']]
+    present = to_device(torch.tensor([p.grad is not None for p in params], dtype=torch.uint8))
+    dist.all_reduce(present, reduce_operation='MAX')
+    for p, anywhere in zip(params, present.tolist()):
+        if anywhere and p.grad is None:
+            p.grad = torch.zeros_like(p)

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchmetrics import Metric
 
 from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
-from toy import logits, make_batch, make_module, shard, unpack
+from composer.core import Algorithm, DataSpec
+from toy import lm_batch, lm_shard, lm_token_losses, lm_tokens, logits, make_batch, make_lm, make_module, shard, unpack
 
 
 class ShardWithLen(IterableDataset):
@@ -83,6 +84,36 @@ class ToyModel(ComposerModel):
         metric.update(unpack(batch)[1])
 
 
+class ToyLMModel(ComposerModel):
+    """The tiny LM; its loss is the mean over the microbatch's loss-generating tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = make_lm()
+        self.forward_sizes: list[int] = []
+
+    def forward(self, batch):
+        self.forward_sizes.append(len(batch['input_ids']))
+        return batch
+
+    def loss(self, outputs, batch):
+        return lm_token_losses(self.module, batch).mean()
+
+
+class AsksForUnusedParameters(Algorithm):
+    """An algorithm that needs DDP's ``find_unused_parameters`` (so Composer picks multi_auto_sync)."""
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        return True
+
+    def match(self, event, state):
+        return False
+
+    def apply(self, event, state, logger):
+        pass
+
+
 class Recorder(Callback):
     """Per step on this rank: the learning rate, the parameters after the step, shadow or not."""
 
@@ -112,7 +143,64 @@ class LogLines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def make_loader(cfg: dict, rank: int) -> DataLoader:
+class CollectiveCounter(Callback):
+    """Counts, per training step on this rank, the collectives issued, by kind.
+
+    Python-level ``torch.distributed`` calls are counted by wrapping them; DDP's gradient bucket
+    all-reduces (issued from C++) by a DDP communication hook that does what DDP's default does.
+    A step's window runs from the previous step's ``BATCH_END`` (or the epoch start) to its own
+    ``BATCH_END``, so it includes the dataloader fetch.
+    """
+
+    KINDS = ('all_reduce', 'broadcast', 'all_gather', 'all_gather_into_tensor', 'broadcast_object_list',
+             'all_gather_object', 'barrier', '_broadcast_coalesced')
+
+    def __init__(self):
+        self.total: dict[str, int] = {}
+        self.steps: list[dict[str, int]] = []
+        self._mark: dict[str, int] = {}
+        self._originals = {}
+
+    def _wrap(self, kind):
+        original = getattr(torch.distributed, kind)
+        self._originals[kind] = original
+
+        def counted(*args, **kwargs):
+            self.total[kind] = self.total.get(kind, 0) + 1
+            return original(*args, **kwargs)
+
+        setattr(torch.distributed, kind, counted)
+
+    def fit_start(self, state, logger):
+        for kind in self.KINDS:
+            self._wrap(kind)
+        all_reduce, world = self._originals['all_reduce'], torch.distributed.get_world_size()
+
+        def grad_bucket_hook(_, bucket):
+            self.total['ddp_grad_bucket'] = self.total.get('ddp_grad_bucket', 0) + 1
+            work = all_reduce(bucket.buffer().div_(world), async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
+
+        if isinstance(state.model, DistributedDataParallel):
+            state.model.register_comm_hook(None, grad_bucket_hook)
+
+    def epoch_start(self, state, logger):
+        self._mark = dict(self.total)
+
+    def batch_end(self, state, logger):
+        self.steps.append({k: v - self._mark.get(k, 0) for k, v in self.total.items() if v != self._mark.get(k, 0)})
+        self._mark = dict(self.total)
+
+    def fit_end(self, state, logger):
+        for kind, original in self._originals.items():
+            setattr(torch.distributed, kind, original)
+
+
+def make_loader(cfg: dict, rank: int):
+    if cfg.get('model') == 'lm':
+        seqs = lm_shard(rank, cfg['shards'][rank])
+        loader = DataLoader(seqs, batch_size=cfg['batch_size'], collate_fn=lm_batch)
+        return DataSpec(_Streamed(loader), get_num_tokens_in_batch=lm_tokens)
     x, y = shard(rank, cfg['shards'][rank])
     dataset = ShardNoLen(x, y) if cfg.get('dataset') == 'iterable_nolen' else ShardWithLen(x, y)
     fmt = cfg.get('fmt', 'tuple')
@@ -121,6 +209,19 @@ def make_loader(cfg: dict, rank: int) -> DataLoader:
         return make_batch(torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]), fmt)
 
     return DataLoader(dataset, batch_size=cfg['batch_size'], collate_fn=collate)
+
+
+class _Streamed:
+    """An iterable with a length that is not a map-style DataLoader (so Composer asks for no DistributedSampler)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        return iter(self.loader)
 
 
 def make_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
@@ -132,10 +233,10 @@ def make_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
 def train(cfg: dict) -> dict[str, Any]:
     """One Composer ``fit`` on this rank's shard, as ``cfg`` describes; see ``reference.train``."""
     rank = dist.get_global_rank()
-    model = ToyModel(cfg.get('model', 'mlp'), cfg.get('train_metrics', False))
+    model = ToyLMModel() if cfg.get('model') == 'lm' else ToyModel(cfg.get('model', 'mlp'), cfg.get('train_metrics', False))
     optimizer = make_optimizer(cfg, model.parameters())
     join = UnevenJoin(**cfg['join']) if cfg.get('join') is not None else None
-    recorder, memory, lines = Recorder(), InMemoryLogger(), LogLines()
+    recorder, memory, lines, counter = Recorder(), InMemoryLogger(), LogLines(), CollectiveCounter()
     logging.getLogger('composer_join').addHandler(lines)
     logging.getLogger('composer_join').setLevel(logging.INFO)
     trainer = Trainer(
@@ -144,8 +245,8 @@ def train(cfg: dict) -> dict[str, Any]:
         max_duration=cfg.get('max_duration', f"{cfg.get('epochs', 1)}ep"),
         optimizers=optimizer,
         schedulers=CosineAnnealingScheduler() if cfg.get('schedule') == 'cosine' else None,
-        algorithms=[join] if join is not None else [],
-        callbacks=[recorder],
+        algorithms=([join] if join is not None else []) + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
+        callbacks=[recorder] + ([counter] if cfg.get('count_collectives') else []),
         loggers=[memory],
         device='cpu',
         progress_bar=False,
@@ -153,6 +254,7 @@ def train(cfg: dict) -> dict[str, Any]:
         seed=0,
         device_train_microbatch_size=cfg.get('microbatch'),
         ddp_sync_strategy=cfg.get('sync'),
+        accumulate_train_batch_on_tokens=cfg.get('tokens', False),
     )
     error: Optional[str] = None
     try:
@@ -181,6 +283,7 @@ def train(cfg: dict) -> dict[str, Any]:
         'reports': [vars(r).copy() for r in join.reports] if join is not None else [],
         'logged': {k: [v for _, v in vals] for k, vals in memory.data.items() if k.startswith('uneven_join/')},
         'log_lines': lines.lines,
+        'collectives': counter.steps,
     }
 
 

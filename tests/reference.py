@@ -18,12 +18,15 @@ import math
 
 import torch
 
-from toy import make_module, per_sample_loss, shard
+from toy import lm_batch, lm_shard, lm_token_losses, make_lm, make_module, per_sample_loss, shard
 
 
-def batches_of(cfg: dict, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y = shard(rank, cfg['shards'][rank])
+def batches_of(cfg: dict, rank: int) -> list:
     b = cfg['batch_size']
+    if cfg.get('model') == 'lm':
+        seqs = lm_shard(rank, cfg['shards'][rank])
+        return [lm_batch(seqs[i:i + b]) for i in range(0, len(seqs), b)]
+    x, y = shard(rank, cfg['shards'][rank])
     return [(x[i:i + b], y[i:i + b]) for i in range(0, len(y), b)]
 
 
@@ -36,7 +39,8 @@ def optimizer_for(cfg: dict, params) -> torch.optim.Optimizer:
 def train(cfg: dict, divide: bool = True) -> dict:
     """Parameters (and BatchNorm buffers per rank) after training as ``cfg`` describes."""
     world = len(cfg['shards'])
-    module = make_module(cfg.get('model', 'mlp'))
+    lm = cfg.get('model') == 'lm'
+    module = make_lm() if lm else make_module(cfg.get('model', 'mlp'))
     module.train()
     optimizer = optimizer_for(cfg, module.parameters())
     base_lr = optimizer.param_groups[0]['lr']
@@ -60,9 +64,14 @@ def train(cfg: dict, divide: bool = True) -> dict:
                 frac = max(k - 1, 0) / total
                 for group in optimizer.param_groups:
                     group['lr'] = base_lr * (1 + math.cos(math.pi * frac)) / 2
-            samples = sum(len(per_rank[r][t][1]) for r in active)
-            loss = 0.0
-            for r in active:
+            if lm:  # with accumulate_train_batch_on_tokens: the mean over loss-generating tokens
+                losses = torch.cat([lm_token_losses(module, per_rank[r][t]) for r in active])
+                samples, loss = len(losses), losses.sum()
+                active_for_loss = []
+            else:
+                samples = sum(len(per_rank[r][t][1]) for r in active)
+                loss, active_for_loss = 0.0, active
+            for r in active_for_loss:
                 x, y = per_rank[r][t]
                 own = {n: b.clone() for n, b in buffers.items()} if buffers else None
                 loss = loss + per_sample_loss(module, x, y, own).sum()

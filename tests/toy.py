@@ -20,20 +20,23 @@ def make_module(kind: str = 'mlp') -> torch.nn.Module:
         return torch.nn.Sequential(
             torch.nn.Linear(FEATURES, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, CLASSES),
         )
-    if kind == 'branch':  # the head ``extra`` is used only by batches whose first label is 0
+    if kind == 'branch':
         return Branchy()
     raise ValueError(kind)
 
 
 class Branchy(torch.nn.Module):
+    """``extra`` adds to the logits of label-0 samples only; a batch without one leaves it unused."""
+
     def __init__(self):
         super().__init__()
         self.body = torch.nn.Linear(FEATURES, CLASSES)
         self.extra = torch.nn.Linear(FEATURES, CLASSES)
 
-    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = self.body(x)
-        return out + self.extra(x) if use_extra else out
+        chosen = (y == 0).nonzero().flatten()
+        return out.index_add(0, chosen, self.extra(x[chosen])) if len(chosen) else out
 
 
 POOL = 1000  # samples per rank at most
@@ -69,7 +72,7 @@ def unpack(batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def logits(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if isinstance(module, Branchy):
-        return module(x, use_extra=bool(len(y)) and int(y[0]) == 0)
+        return module(x, y)
     return module(x)
 
 
@@ -79,3 +82,52 @@ def per_sample_loss(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, b
         params = dict(module.named_parameters())
         return F.cross_entropy(torch.func.functional_call(module, {**params, **buffers}, (x,)), y, reduction='none')
     return F.cross_entropy(logits(module, x, y), y, reduction='none')
+
+
+# A tiny language model on variable-length sequences, for token-weighted gradient accumulation.
+VOCAB = 11
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+        self.head = torch.nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(input_ids)))
+
+
+def make_lm() -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM()
+
+
+def lm_shard(rank: int, size: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s sequences: lengths 2 to 9 tokens, the first ``size`` of a fixed pool."""
+    g = torch.Generator().manual_seed(200 + rank)
+    lengths = torch.randint(2, 10, (POOL,), generator=g)
+    return [torch.randint(0, VOCAB, (int(n),), generator=g) for n in lengths[:size]]
+
+
+def lm_batch(seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pad to the longest sequence; ``labels`` are the next tokens, -100 where there is none."""
+    width = max((len(s) for s in seqs), default=1)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = s
+        labels[i, :len(s) - 1] = s[1:]
+    return {'input_ids': ids, 'labels': labels}
+
+
+def lm_tokens(batch: dict) -> dict[str, int]:
+    """Composer's token counts: all positions, and the loss-generating ones."""
+    return {'total': int(batch['input_ids'].numel()), 'loss_generating': int((batch['labels'] != -100).sum())}
+
+
+def lm_token_losses(module: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """Per loss-generating token losses."""
+    out = module(batch['input_ids'])
+    mask = batch['labels'] != -100
+    return F.cross_entropy(out[mask], batch['labels'][mask], reduction='none')

@@ -1,0 +1,91 @@
+"""UnevenJoin under every DDPSyncStrategy, with microbatching, unused parameters and token weighting.
+
+Ranks split a step into different numbers of microbatches whenever their batches differ in size (a
+partial last batch, a shadow batch). Each scenario is compared with the single-process reference,
+and the collectives of each kind of step are counted and compared with stock Composer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference
+from harness import launch
+from test_join_core import DIVIDE, NO_DIVIDE, TOL, ok
+
+STRATEGIES = ['single_auto_sync', 'multi_auto_sync', 'forced_sync', None]  # None: Composer's default
+BASE = dict(shards=[40, 21, 13], batch_size=8, epochs=2, microbatch=3)
+
+SCENARIOS: dict[str, dict] = {}
+for sync in STRATEGIES:
+    SCENARIOS[f'mlp_{sync}'] = dict(BASE, sync=sync, join=DIVIDE)
+    SCENARIOS[f'unused_{sync}'] = dict(BASE, sync=sync, join=NO_DIVIDE, model='branch', find_unused=True,
+                                       optimizer='adam')
+    SCENARIOS[f'tokens_{sync}'] = dict(BASE, sync=sync, join=DIVIDE, model='lm', tokens=True)
+SCENARIOS['four_ranks_multi'] = dict(shards=[30, 17, 9, 0], batch_size=6, epochs=1, microbatch=4,
+                                     sync='multi_auto_sync', join=DIVIDE)
+
+# Collective counting: step 0 even, step 1 uneven microbatch counts (8, 4, 4 samples), and with a
+# third shard of 8 samples, steps with a shadow batch.
+COUNTED: dict[str, dict] = {}
+for sync in STRATEGIES[:3]:
+    common = dict(batch_size=8, epochs=1, microbatch=3, sync=sync, count_collectives=True)
+    COUNTED[f'count_uneven_{sync}'] = dict(common, shards=[16, 12, 12], join=DIVIDE)
+    COUNTED[f'count_shadow_{sync}'] = dict(common, shards=[16, 16, 8], join=DIVIDE)
+    COUNTED[f'count_stock_{sync}'] = dict(common, shards=[8, 8, 8], join=None)
+
+
+@pytest.fixture(scope='module')
+def runs() -> dict:
+    three = {**{k: v for k, v in SCENARIOS.items() if len(v['shards']) == 3}, **COUNTED}
+    results = launch(3, [(name, 'train', {'cfg': cfg}) for name, cfg in three.items()], timeout=480)
+    results.update(launch(4, [('four_ranks_multi', 'train', {'cfg': SCENARIOS['four_ranks_multi']})], timeout=240))
+    return results
+
+
+@pytest.mark.parametrize('name', list(SCENARIOS))
+def test_gradient_equals_reference_and_replicas_stay_identical(runs, name):
+    cfg = SCENARIOS[name]
+    ref = reference.train(cfg, divide=cfg['join']['divide_by_initial_world_size'])
+    per_rank = ok(runs, name)
+    for rank, res in enumerate(per_rank):
+        diff = reference.max_abs_diff(res['params'], ref['params'])
+        assert diff < TOL, f'{name}: rank {rank} is {diff:.2e} from the reference'
+        assert res['timestamp']['sample'] == sum(cfg['shards']) * cfg['epochs']
+        for step, (a, b) in enumerate(zip(per_rank[0]['step_params'], res['step_params'])):
+            assert torch.equal(a, b), f'{name}: rank {rank} differs from rank 0 after step {step}'
+
+
+def counts(runs, name: str, step: int) -> dict[str, int]:
+    per_rank = ok(runs, name)
+    assert all(res['collectives'][step] == per_rank[0]['collectives'][step] for res in per_rank), \
+        f'{name}: ranks issued different collectives at step {step}'
+    return per_rank[0]['collectives'][step]
+
+
+def grad_syncs(c: dict[str, int]) -> int:
+    return c.get('ddp_grad_bucket', 0)
+
+
+@pytest.mark.parametrize('sync', STRATEGIES[:3])
+def test_collectives_per_step(runs, sync):
+    stock = counts(runs, f'count_stock_{sync}', 0)
+    even = counts(runs, f'count_uneven_{sync}', 0)
+    uneven = counts(runs, f'count_uneven_{sync}', 1)
+    shadow = counts(runs, f'count_shadow_{sync}', 1)
+    # An even step is stock Composer's step plus the one small agreement all-reduce.
+    assert even == {**stock, 'all_reduce': stock['all_reduce'] + 1}
+    params = 4  # the MLP's parameter tensors, all in one DDP bucket
+    if sync == 'single_auto_sync':
+        assert grad_syncs(stock) == grad_syncs(uneven) == grad_syncs(shadow) == 1
+    if sync == 'multi_auto_sync':
+        assert grad_syncs(stock) == 3  # one per microbatch
+        assert grad_syncs(uneven) == grad_syncs(shadow) == 1  # counts differ: only each rank's last one
+    if sync == 'forced_sync':
+        assert grad_syncs(stock) == 0 and stock['all_reduce'] == 4 + params  # Composer's manual per-parameter sync
+        assert uneven['all_reduce'] == even['all_reduce']
+        assert shadow['all_reduce'] == even['all_reduce'] + 1  # which parameters have gradients somewhere
+    for c in (uneven, shadow):
+        assert {k: v for k, v in c.items() if k not in ('all_reduce', 'ddp_grad_bucket')} == \
+            {k: v for k, v in stock.items() if k not in ('all_reduce', 'ddp_grad_bucket')}

@@ -17,6 +17,11 @@ event                     what happens
                           shadow: restore buffers, keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back
 ``EPOCH_END``             log the epoch's per-rank report
+``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement)
+``EVAL_BEFORE_FORWARD``   shadow: swap in the template; real: keep one
+``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
+``EVAL_BATCH_END``        put the eval metrics back
+``EVAL_END``              back to the train dataloader's plan
 ========================  ======================================================================
 """
 
@@ -25,7 +30,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-import torch
 from composer.core import Algorithm, DataSpec, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
@@ -34,16 +38,19 @@ from torch.nn.parallel import DistributedDataParallel
 from composer_join.batches import first_samples
 from composer_join.ddp import BufferGuard, BufferSource, broadcast_buffers_from
 from composer_join.gradients import scale_grad, share_grad_presence
-from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader
-from composer_join.plan import StepPlan
+from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, pads_by_repeating
+from composer_join.plan import StepPlan, agree_on_length
 from composer_join.report import EpochReport
 
 __all__ = ['UnevenJoin', 'is_shadow_step']
 
 log = logging.getLogger(__name__)
 
-_EVENTS = (
-    Event.FIT_START, Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_LOSS, Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH, Event.EPOCH_END,
+_STARTS = (Event.FIT_START, Event.EVAL_START)
+_EVENTS = _STARTS + (
+    Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_LOSS, Event.AFTER_BACKWARD,
+    Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
+    Event.EVAL_BATCH_END, Event.EVAL_END,
 )
 
 
@@ -54,14 +61,17 @@ class UnevenJoin(Algorithm):
     it keeps running Composer's real training step on a shadow batch (two samples whose gradient
     is multiplied by zero, counted as zero samples), so it takes part in every collective of the
     step (DDP's gradient all-reduce and all of Composer's own) and takes the same optimizer step,
-    until the last rank runs out. Then the epoch ends on all ranks at the same step.
+    until the last rank runs out. Then the epoch ends on all ranks at the same step. Evaluation
+    works the same way: every rank evaluates every batch of its shard, shadow batches stay out of
+    the metrics, so metrics equal those of one process evaluating all the data.
 
     At step ``t``, with ``A_t`` of ``W`` ranks holding real data and ``S_t`` real samples in all,
     the gradient applied is the mean of the per-sample loss gradients over the ``S_t`` samples,
     times ``A_t / W`` if ``divide_by_initial_world_size`` (torch's default) and times 1 otherwise.
 
-    Cost: one small collective per step (``48 * W`` bytes) to agree on who still has data; a
-    shadow step costs a two-sample forward and backward.
+    Cost: one small collective per step (``48 * W`` bytes) to agree on who still has data, and one
+    per fit or evaluation to agree on the epoch length; a shadow step costs a two-sample forward
+    and backward.
 
     Example::
 
@@ -101,17 +111,19 @@ class UnevenJoin(Algorithm):
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.enable = enable
         self.throw_on_early_termination = throw_on_early_termination
-        self.reports: list[EpochReport] = []  # one per finished epoch, the same on every rank
-        self._active = False
-        self._loader: Optional[JoinLoader] = None
-        self._template: Any = None  # two prepared samples, the shadow forward's input
+        self.reports: list[EpochReport] = []  # one per finished training epoch, the same on every rank
+        self._active: Optional[bool] = None  # decided at the first FIT_START or EVAL_START
+        self._loader: Optional[JoinLoader] = None  # the loader whose plan is current (train or eval)
+        self._train_loader: Optional[JoinLoader] = None
+        self._eval_loaders: dict[str, JoinLoader] = {}
+        self._templates: dict[str, Any] = {}  # per dataloader label: two prepared samples
         self._guard: Optional[BufferGuard] = None
         self._source = BufferSource()
         self._hooked: Optional[DistributedDataParallel] = None
         self._samples_seen = 0
         self._sync_suppressed = False
         self._manual_sync = False
-        self._stashed_metrics: Optional[dict] = None
+        self._stashed_metrics: Optional[tuple[dict, dict]] = None
 
     def __repr__(self) -> str:
         return (
@@ -121,8 +133,8 @@ class UnevenJoin(Algorithm):
 
     @property
     def plan(self) -> Optional[StepPlan]:
-        """The current step's plan, while a training epoch is running."""
-        return self._loader.plan if self._active and self._loader is not None else None
+        """The current step's plan, while a training epoch or an evaluation is running."""
+        return self._loader.plan if self._loader is not None else None
 
     @property
     def is_shadow_step(self) -> bool:
@@ -131,95 +143,125 @@ class UnevenJoin(Algorithm):
         return plan is not None and not plan.has_batch(dist.get_global_rank())
 
     def match(self, event: Event, state: State) -> bool:
-        return event in _EVENTS and (self._active or event == Event.FIT_START)
+        return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event in _STARTS and not self._activate():
+            return
         if event == Event.FIT_START:
             self._fit_start(state)
         elif event == Event.EPOCH_START:
-            self._loader.set_epoch(int(state.timestamp.epoch))
+            self._train_loader.set_epoch(int(state.timestamp.epoch))
         elif event == Event.BEFORE_TRAIN_BATCH:
             self._samples_seen = 0
             self._source.update(self.plan)
         elif event == Event.BEFORE_FORWARD:
-            self._before_forward(state)
+            self._sync_microbatch(state)
+            self._shadow_input(state)
         elif event == Event.AFTER_LOSS:
             factor = 0.0 if self.is_shadow_step else self.plan.grad_factor(self.divide_by_initial_world_size)
             if factor != 1.0:
                 state.loss = scale_grad(state.loss, factor)
         elif event == Event.AFTER_BACKWARD:
             self._after_backward(state)
-        elif event == Event.AFTER_TRAIN_BATCH and self._stashed_metrics is not None:
-            state.train_metrics, self._stashed_metrics = self._stashed_metrics, None
+        elif event in (Event.AFTER_TRAIN_BATCH, Event.EVAL_BATCH_END):
+            self._unstash_metrics()
         elif event == Event.EPOCH_END:
             self._epoch_end(logger)
+        elif event == Event.EVAL_START:
+            self._eval_start(state)
+        elif event == Event.EVAL_BEFORE_FORWARD:
+            self._shadow_input(state)
+        elif event == Event.EVAL_AFTER_FORWARD and self.is_shadow_step:
+            self._stash_metrics(state.eval_metrics[state.dataloader_label])
+        elif event == Event.EVAL_END:
+            self._loader = self._train_loader
 
-    # -- FIT_START -------------------------------------------------------------------------------
+    # -- starting ----------------------------------------------------------------------------------
 
-    def _fit_start(self, state: State) -> None:
-        why = 'enable=False' if not self.enable else 'world size is 1' if dist.get_world_size() == 1 else None
-        if why is not None:
-            self._active = False
-            log.info('UnevenJoin is inactive (%s): training runs exactly as stock Composer.', why)
-            return
-        self._active = True
-        dataloader = state.dataloader
+    def _activate(self) -> bool:
+        if self._active is None:
+            why = 'enable=False' if not self.enable else 'world size is 1' if dist.get_world_size() == 1 else None
+            self._active = why is None
+            if why is not None:
+                log.info('UnevenJoin is inactive (%s): Composer runs exactly as without it.', why)
+        return self._active
+
+    def _join(self, state: State, dataloader: Any, cached: Optional[JoinLoader]) -> JoinLoader:
+        """Wrap ``dataloader`` (the one just set on ``state``) in a JoinLoader, sharing the longest length."""
         if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer
             dataloader = dataloader.dataloader
-        own_len = _len_or_none(dataloader)
-        current = state.dataloader_len  # may already be cut to train_subset_num_batches
-        lengths = state.device.tensor_to_device(
-            torch.tensor([-1 if own_len is None else own_len, -1 if current is None else int(current)]),
+        shared, check_overflow, own_lens = agree_on_length(
+            _len_or_none(dataloader), None if state.dataloader_len is None else int(state.dataloader_len),
+            state.device.tensor_to_device,
         )
-        table = dist.all_gather(lengths)
-        own_lens = [int(t[0]) for t in table]
-        cur_lens = [int(t[1]) for t in table]
-        shared = max(cur_lens) if min(cur_lens) >= 0 else None
-        check_overflow = shared is not None and own_lens == cur_lens and shared == max(own_lens)
-        spec = DataSpec(dataloader)
-        self._loader = JoinLoader(
-            dataloader,
-            describe=lambda batch: _describe(spec, batch, state.device_train_microbatch_size),
-            length=shared,
-            check_overflow=check_overflow,
-            throw_on_early_termination=self.throw_on_early_termination,
-            to_device=state.device.tensor_to_device,
-        )
-        state.set_dataloader(self._loader, state.dataloader_label or 'train', -1 if shared is None else shared)
-        log.info(
-            'UnevenJoin: per-rank train batches per epoch %s; every rank runs %s steps per epoch.',
-            own_lens, shared if shared is not None else 'until the last rank runs out',
-        )
+        if cached is not None and cached.dataloader is dataloader:
+            loader = cached  # keeps the template it has
+            loader.length, loader.check_overflow = shared, check_overflow
+        else:
+            spec = DataSpec(dataloader)
+            loader = JoinLoader(
+                dataloader,
+                describe=lambda batch: _describe(spec, batch, state.device_train_microbatch_size),
+                length=shared,
+                check_overflow=check_overflow,
+                throw_on_early_termination=self.throw_on_early_termination,
+                to_device=state.device.tensor_to_device,
+            )
+        label = state.dataloader_label
+        state.set_dataloader(loader, label, -1 if shared is None else shared)
+        log.info('UnevenJoin: %s batches per rank %s; every rank runs %s steps.', label, own_lens,
+                 shared if shared is not None else 'until the last rank runs out')
+        return loader
+
+    def _fit_start(self, state: State) -> None:
+        self._train_loader = self._loader = self._join(state, state.dataloader, self._train_loader)
         if isinstance(state.model, DistributedDataParallel) and state.model is not self._hooked:
             broadcast_buffers_from(state.model, lambda: self._source.rank)
             self._guard = BufferGuard(state.model.module)
             self._hooked = state.model
 
-    # -- per microbatch --------------------------------------------------------------------------
+    def _eval_start(self, state: State) -> None:
+        dataloader, label = state.dataloader, state.dataloader_label
+        if pads_by_repeating(dataloader):
+            # torch's DistributedSampler evens shards out by repeating samples, and Composer's eval
+            # loop removes exactly those repeats: nothing is uneven, leave it to Composer.
+            self._loader = None
+            return
+        self._eval_loaders[label] = self._loader = self._join(state, dataloader, self._eval_loaders.get(label))
+        self._loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
 
-    def _before_forward(self, state: State) -> None:
-        plan, rank = self.plan, dist.get_global_rank()
-        ddp = state.model if isinstance(state.model, DistributedDataParallel) else None
-        mine = plan.statuses[rank].samples
+    # -- per microbatch ----------------------------------------------------------------------------
+
+    def _sync_microbatch(self, state: State) -> None:
+        """Decide this microbatch's DDP gradient sync; notes when the step ends in a manual sync."""
+        plan, ddp = self.plan, state.model
+        if not isinstance(ddp, DistributedDataParallel):
+            return
+        mine = plan.statuses[dist.get_global_rank()].samples
         self._samples_seen += _count(self._loader, state.batch)
         final = 0 <= mine <= self._samples_seen  # this rank's last microbatch of the step
-        if ddp is not None:
-            if ddp.require_backward_grad_sync and not final and not plan.even_microbatches:
-                # Ranks split this step into different numbers of microbatches and the strategy
-                # syncs every microbatch: sync only each rank's last one, which gives the same sum.
-                ddp.require_backward_grad_sync = False
-                self._sync_suppressed = True
-            # No DDP sync even on the last microbatch: Composer all-reduces the gradients by hand
-            # (forced_sync), skipping parameters whose gradient is None.
-            self._manual_sync = final and not ddp.require_backward_grad_sync
-        if self.is_shadow_step:
-            if self._template is None:  # never trained on data of its own: use the shared raw template
-                self._template = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
-            state.batch = self._template
-            if self._guard is not None:
-                self._guard.armed = True
-        elif self._template is None:
-            self._template = first_samples(state.batch, TEMPLATE_SAMPLES)
+        if ddp.require_backward_grad_sync and not final and not plan.even_microbatches:
+            # Ranks split this step into different numbers of microbatches and the strategy syncs
+            # every microbatch: sync only each rank's last one, which gives the same sum.
+            ddp.require_backward_grad_sync = False
+            self._sync_suppressed = True
+        # No DDP sync even on the last microbatch: Composer all-reduces the gradients by hand
+        # (forced_sync), skipping parameters whose gradient is None.
+        self._manual_sync = final and not ddp.require_backward_grad_sync
+
+    def _shadow_input(self, state: State) -> None:
+        """Shadow: feed the forward two real samples instead of the empty batch; real: keep two."""
+        label = state.dataloader_label
+        if not self.is_shadow_step:
+            if label not in self._templates:
+                self._templates[label] = first_samples(state.batch, TEMPLATE_SAMPLES)
+            return
+        if label not in self._templates:  # never had data of its own: the template other ranks sent
+            self._templates[label] = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
+        state.batch = self._templates[label]
+        if self._guard is not None and state.model.training:
+            self._guard.armed = True
 
     def _after_backward(self, state: State) -> None:
         if self._sync_suppressed:
@@ -229,17 +271,28 @@ class UnevenJoin(Algorithm):
             # A parameter unused on one rank (a shadow's template, a data-dependent branch) must
             # still enter Composer's manual all-reduce there, or the collectives mismatch.
             share_grad_presence(state.optimizers, state.device.tensor_to_device)
-            self._manual_sync = False
+        self._manual_sync = False
         if self.is_shadow_step:
             if self._guard is not None:
                 self._guard.restore()
             if state.train_metrics:
-                self._stashed_metrics, state.train_metrics = state.train_metrics, {}
+                self._stash_metrics(state.train_metrics)
 
-    # -- EPOCH_END -------------------------------------------------------------------------------
+    def _stash_metrics(self, metrics: dict) -> None:
+        """Empty ``metrics`` in place for this (shadow) microbatch; :meth:`_unstash_metrics` refills it."""
+        self._stashed_metrics = (metrics, dict(metrics))
+        metrics.clear()
+
+    def _unstash_metrics(self) -> None:
+        if self._stashed_metrics is not None:
+            metrics, saved = self._stashed_metrics
+            metrics.update(saved)
+            self._stashed_metrics = None
+
+    # -- EPOCH_END ---------------------------------------------------------------------------------
 
     def _epoch_end(self, logger: Logger) -> None:
-        report = self._loader.report
+        report = self._train_loader.report
         self.reports.append(report)
         logger.log_metrics(report.metrics())
         if dist.get_global_rank() == 0:
@@ -250,7 +303,7 @@ def is_shadow_step(state: State) -> bool:
     """True if this rank is running a shadow step: it has run out of data and only keeps the others company.
 
     Meant for callbacks that should skip shadow steps (e.g. per-rank data statistics). Outside
-    training, or without an active :class:`UnevenJoin`, it is False.
+    training and evaluation, or without an active :class:`UnevenJoin`, it is False.
 
     Example::
 

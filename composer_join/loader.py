@@ -34,7 +34,7 @@ from composer_join.plan import RankStatus, StepPlan, agree
 from composer_join.report import EpochReport
 from composer.utils import dist
 
-__all__ = ['JoinLoader', 'TEMPLATE_SAMPLES']
+__all__ = ['JoinLoader', 'TEMPLATE_SAMPLES', 'pads_by_repeating']
 
 log = logging.getLogger(__name__)
 
@@ -190,3 +190,12 @@ def _distributed_sampler(dataloader: Any) -> Optional[DistributedSampler]:
         if isinstance(sampler, DistributedSampler):
             return sampler
     return None
+
+
+def pads_by_repeating(dataloader: Any) -> bool:
+    """True if ``dataloader`` shards with a ``DistributedSampler`` that repeats samples to even out the shards."""
+    sampler = _distributed_sampler(dataloader)
+    try:
+        return sampler is not None and sampler.total_size > len(sampler.dataset)
+    except TypeError:  # a dataset without len()
+        return False

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 from composer.utils import dist
 
-__all__ = ['RankStatus', 'StepPlan', 'agree']
+__all__ = ['RankStatus', 'StepPlan', 'agree', 'agree_on_length']
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,30 @@ def agree(step: int, status: RankStatus, to_device: Callable[[torch.Tensor], tor
         RankStatus(bool(h), int(s), int(m), bool(t), bool(o), bool(f)) for h, s, m, t, o, f in table.cpu().tolist()
     )
     return StepPlan(step=step, statuses=statuses)
+
+
+def agree_on_length(
+    own_len: Optional[int],
+    current_len: Optional[int],
+    to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> tuple[Optional[int], bool, list[Optional[int]]]:
+    """The number of batches every rank runs per epoch: the longest rank's (one collective, per fit or evaluation).
+
+    Args:
+        own_len: ``len()`` of this rank's dataloader, or None if it has none.
+        current_len: the trainer's ``dataloader_len`` for it (smaller when a subset was asked for).
+
+    Returns:
+        ``(shared, check_overflow, own_lens)``: the shared length (None if some rank's is unknown),
+        whether the shared length is the full longest ``len()`` (so batches past it would be lost),
+        and every rank's own length.
+    """
+    world_size, rank = dist.get_world_size(), dist.get_global_rank()
+    table = torch.full((world_size, 2), -1, dtype=torch.int64)
+    table[rank] = torch.tensor([-1 if own_len is None else own_len, -1 if current_len is None else current_len])
+    table = to_device(table)
+    dist.all_reduce(table, reduce_operation='MAX')
+    own_lens, cur_lens = ([int(v) for v in column] for column in table.cpu().T)
+    shared = max(cur_lens) if min(cur_lens) >= 0 else None
+    check_overflow = shared is not None and own_lens == cur_lens
+    return shared, check_overflow, [None if n < 0 else n for n in own_lens]

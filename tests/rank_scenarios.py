@@ -18,11 +18,14 @@ from composer.optim import CosineAnnealingScheduler
 from composer.utils import dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
-from torchmetrics import Metric
+from torch.utils.data import Dataset, DistributedSampler
+from torchmetrics import MeanMetric, Metric
+from torchmetrics.classification import MulticlassAccuracy
 
 from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
-from composer.core import Algorithm, DataSpec
-from toy import lm_batch, lm_shard, lm_token_losses, lm_tokens, logits, make_batch, make_lm, make_module, shard, unpack
+from composer_join.sampler import ExactDistributedSampler
+from composer.core import Algorithm, DataSpec, Evaluator
+from toy import CLASSES, lm_batch, lm_shard, lm_token_losses, lm_tokens, logits, make_batch, make_lm, make_module, shard, unpack
 
 
 class ShardWithLen(IterableDataset):
@@ -78,10 +81,20 @@ class ToyModel(ComposerModel):
         return F.cross_entropy(outputs, unpack(batch)[1])
 
     def get_metrics(self, is_train: bool = False):
-        return {'SamplesSeen': SamplesSeen()} if is_train and self.train_metrics else {}
+        if not is_train:
+            # a per-sample mean (Composer's CrossEntropy metric averages per-batch means instead)
+            return {'MulticlassAccuracy': MulticlassAccuracy(num_classes=CLASSES, average='micro'),
+                    'MeanLoss': MeanMetric()}
+        return {'SamplesSeen': SamplesSeen()} if self.train_metrics else {}
 
     def update_metric(self, batch, outputs, metric):
-        metric.update(unpack(batch)[1])
+        y = unpack(batch)[1]
+        if isinstance(metric, SamplesSeen):
+            metric.update(y)
+        elif isinstance(metric, MeanMetric):
+            metric.update(F.cross_entropy(outputs, y, reduction='none'))
+        else:
+            metric.update(outputs, y)
 
 
 class ToyLMModel(ComposerModel):
@@ -122,6 +135,19 @@ class Recorder(Callback):
         self.params: list[torch.Tensor] = []
         self.shadow: list[bool] = []
         self.train_metric: list[int] = []
+
+        self.eval_params: list[torch.Tensor] = []
+        self.sample_ids: list[list[int]] = []  # per epoch, the ids of real samples trained on this rank
+
+    def epoch_start(self, state, logger):
+        self.sample_ids.append([])
+
+    def before_forward(self, state, logger):
+        if isinstance(state.batch, (tuple, list)) and len(state.batch) == 3 and not is_shadow_step(state):
+            self.sample_ids[-1].extend(int(i) for i in state.batch[2])
+
+    def eval_start(self, state, logger):
+        self.eval_params.append(torch.cat([p.detach().flatten().clone() for p in state.model.parameters()]))
 
     def batch_start(self, state, logger):
         self.lrs.append(state.optimizers[0].param_groups[0]['lr'])
@@ -201,6 +227,10 @@ def make_loader(cfg: dict, rank: int):
         seqs = lm_shard(rank, cfg['shards'][rank])
         loader = DataLoader(seqs, batch_size=cfg['batch_size'], collate_fn=lm_batch)
         return DataSpec(_Streamed(loader), get_num_tokens_in_batch=lm_tokens)
+    if cfg.get('dataset') == 'map':  # one dataset, sharded exactly by ExactDistributedSampler
+        dataset = Indexed(*shard(7, cfg['map_size']))
+        sampler = ExactDistributedSampler(dataset, shuffle=True, seed=3)
+        return DataLoader(dataset, batch_size=cfg['batch_size'], sampler=sampler)
     x, y = shard(rank, cfg['shards'][rank])
     dataset = ShardNoLen(x, y) if cfg.get('dataset') == 'iterable_nolen' else ShardWithLen(x, y)
     fmt = cfg.get('fmt', 'tuple')
@@ -222,6 +252,52 @@ class _Streamed:
 
     def __iter__(self):
         return iter(self.loader)
+
+
+class Indexed(Dataset):
+    """A map-style dataset whose samples carry their index: ``(x, y, id)``."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+def make_eval_loader(cfg: dict, rank: int) -> Optional[DataLoader]:
+    """Per-rank eval shards (``eval_shards``), or one dataset of ``eval_map`` samples with a sampler."""
+    batch_size = cfg.get('eval_batch_size', 4)
+    if cfg.get('eval_shards') is not None:
+        x, y = shard(50 + rank, cfg['eval_shards'][rank])
+        return DataLoader(ShardWithLen(x, y), batch_size=batch_size)
+    if cfg.get('eval_map') is not None:
+        dataset = ShardDataset(*shard(99, cfg['eval_map']))
+        sampler = DistributedSampler(dataset, shuffle=False) if cfg.get('eval_sampler') == 'torch' else \
+            ExactDistributedSampler(dataset, shuffle=False)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+    return None
+
+
+def make_evaluator(cfg: dict, rank: int) -> Optional[Evaluator]:
+    loader = make_eval_loader(cfg, rank)
+    if loader is None:
+        return None
+    return Evaluator(label='eval', dataloader=loader, metric_names=['MulticlassAccuracy', 'MeanLoss'],
+                     device_eval_microbatch_size=cfg.get('eval_microbatch'))
+
+
+class ShardDataset(Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
 
 
 def make_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
@@ -255,10 +331,14 @@ def train(cfg: dict) -> dict[str, Any]:
         device_train_microbatch_size=cfg.get('microbatch'),
         ddp_sync_strategy=cfg.get('sync'),
         accumulate_train_batch_on_tokens=cfg.get('tokens', False),
+        eval_dataloader=make_evaluator(cfg, rank),
+        eval_interval=cfg.get('eval_interval', 1),
     )
     error: Optional[str] = None
     try:
         trainer.fit()
+        if cfg.get('eval_after'):
+            trainer.eval()
     except UnevenInputsError as e:
         if not cfg.get('expect_error'):
             raise
@@ -284,6 +364,10 @@ def train(cfg: dict) -> dict[str, Any]:
         'logged': {k: [v for _, v in vals] for k, vals in memory.data.items() if k.startswith('uneven_join/')},
         'log_lines': lines.lines,
         'collectives': counter.steps,
+        'eval_params': recorder.eval_params,
+        'eval': {k.split('/')[-1]: [float(v) for _, v in vals] for k, vals in memory.data.items()
+                 if k.startswith('metrics/eval/')},
+        'sample_ids': recorder.sample_ids,
     }
 
 

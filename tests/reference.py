@@ -98,3 +98,24 @@ def train(cfg: dict, divide: bool = True) -> dict:
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (a.keys(), b.keys())
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def evaluate(flat_params: torch.Tensor, cfg: dict) -> dict[str, float]:
+    """Accuracy and mean cross-entropy of the model with ``flat_params`` on all ranks' eval data at once."""
+    from toy import shard
+
+    module = make_module(cfg.get('model', 'mlp'))
+    torch.nn.utils.vector_to_parameters(flat_params, module.parameters())
+    module.eval()
+    if cfg.get('eval_shards') is not None:
+        parts = [shard(50 + r, n) for r, n in enumerate(cfg['eval_shards'])]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    else:
+        x, y = shard(99, cfg['eval_map'])
+    with torch.no_grad():
+        out = module(x)
+    return {
+        'correct': int((out.argmax(1) == y).sum()), 'total': len(y),
+        'MulticlassAccuracy': float((out.argmax(1) == y).float().mean()),
+        'MeanLoss': float(torch.nn.functional.cross_entropy(out, y)),
+    }

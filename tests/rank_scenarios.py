@@ -41,6 +41,23 @@ class ShardWithLen(IterableDataset):
         return iter(zip(self.x, self.y))
 
 
+class Misbehaving(ShardWithLen):
+    """A shard whose ``__len__`` says ``claimed`` samples, or whose reading fails at sample ``fail_at``."""
+
+    def __init__(self, x, y, claimed=None, fail_at=None):
+        super().__init__(x, y)
+        self.claimed, self.fail_at = claimed, fail_at
+
+    def __len__(self) -> int:
+        return len(self.y) if self.claimed is None else self.claimed
+
+    def __iter__(self):
+        for i, sample in enumerate(zip(self.x, self.y)):
+            if i == self.fail_at:
+                raise RuntimeError(f'disk read error at sample {i}')
+            yield sample
+
+
 class ShardNoLen(IterableDataset):
     def __init__(self, x: torch.Tensor, y: torch.Tensor):
         self.x, self.y = x, y
@@ -233,6 +250,8 @@ def make_loader(cfg: dict, rank: int):
         return DataLoader(dataset, batch_size=cfg['batch_size'], sampler=sampler)
     x, y = shard(rank, cfg['shards'][rank])
     dataset = ShardNoLen(x, y) if cfg.get('dataset') == 'iterable_nolen' else ShardWithLen(x, y)
+    if rank in cfg.get('claimed_len', {}) or rank in cfg.get('fail_at', {}):
+        dataset = Misbehaving(x, y, cfg.get('claimed_len', {}).get(rank), cfg.get('fail_at', {}).get(rank))
     fmt = cfg.get('fmt', 'tuple')
 
     def collate(samples):

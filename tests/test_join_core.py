@@ -29,6 +29,8 @@ SCENARIOS: dict[str, dict] = {
     'throw': dict(shards=[40, 21], batch_size=8, epochs=2, join={'throw_on_early_termination': True},
                   expect_error=True),
     'text_lists': dict(shards=[16, 8], batch_size=8, epochs=1, fmt='text', join=DIVIDE, expect_error=True),
+    'len_too_short': dict(shards=[24, 40], batch_size=8, epochs=1, join=DIVIDE, claimed_len={1: 16}),
+    'loader_fails': dict(shards=[24, 40], batch_size=8, epochs=1, join=DIVIDE, fail_at={1: 20}),
     'throw_even': dict(shards=[16, 16], batch_size=8, epochs=2, join={'throw_on_early_termination': True}),
     'batchnorm': dict(shards=[40, 21], batch_size=8, epochs=2, model='bn', join=DIVIDE),
     'batchnorm_rank0_short': dict(shards=[13, 40], batch_size=8, epochs=1, model='bn', join=DIVIDE),
@@ -184,6 +186,18 @@ def test_batches_that_cannot_be_shadowed_stop_every_rank_with_a_clear_error(runs
     per_rank = ok(runs, 'text_lists')  # the scenario catches UnevenInputsError and returns its message
     assert 'rank(s) [1] could not form batch 1' in per_rank[0]['error']
     assert 'Python lists of samples' in per_rank[1]['error']
+
+
+def test_a_len_that_hides_batches_stops_every_rank_instead_of_dropping_them(runs):
+    for res in runs['len_too_short']:
+        assert isinstance(res, RankError) and res.type == 'UnevenInputsError'
+        assert 'rank(s) [1] yielded more than the 3 batches' in res.message
+
+
+def test_a_failing_dataloader_stops_every_rank_without_a_hang(runs):
+    rank0, rank1 = runs['loader_fails']
+    assert rank0.type == 'UnevenInputsError' and 'rank(s) [1] could not form batch 2' in rank0.message
+    assert rank1.type == 'RuntimeError' and 'disk read error at sample 20' in rank1.message
 
 
 def test_disabled_is_exactly_stock_composer(runs):

@@ -53,7 +53,7 @@ from omegaconf.errors import OmegaConfBaseException
 from typeguard import CollectionCheckStrategy, TypeCheckError, check_type
 
 from composer_join.registry import (
-    ALGORITHMS, CALLBACKS, LOGGERS, OPTIMIZERS, SCHEDULERS, Registry, UnknownNameError, close_matches,
+    ALGORITHMS, CALLBACKS, LOGGERS, OPTIMIZERS, SCHEDULERS, Registry, UnknownNameError, did_you_mean,
 )
 
 __all__ = ['ConfigError', 'build', 'build_one', 'check_kwargs', 'load_config', 'trainer_kwargs']
@@ -76,7 +76,8 @@ class ConfigError(ValueError):
     def __init__(self, problems: Iterable[str]):
         self.problems = list(problems)
         count = f'{len(self.problems)} problems' if len(self.problems) != 1 else '1 problem'
-        super().__init__('\n  '.join([f'invalid config ({count}):', *self.problems]))
+        lines = [p.replace('\n', '\n    ') for p in self.problems]
+        super().__init__('\n  '.join([f'invalid config ({count}):', *lines]))
 
 
 def load_config(path: Union[str, Path], overrides: Sequence[str] = ()) -> DictConfig:
@@ -145,11 +146,7 @@ def trainer_kwargs(
     if not isinstance(trainer, Mapping):
         problems.append(f'trainer: expected a mapping of Trainer arguments, got {trainer!r}')
         trainer = {}
-    script = f"the script's {', '.join(sections)} sections" if sections else 'the script'
-    reserved = {key: f'is built by {script}, not set under trainer:' for key in ('model', 'train_dataloader',
-                                                                                'eval_dataloader')}
-    reserved.update({key: f'goes in the top-level {key}: section, not under trainer:' for key in
-                     (*COMPONENT_SECTIONS, 'optimizers')})
+    reserved = _not_under_trainer(sections)
     kwargs = _check_call(Trainer, trainer, 'trainer', problems, supplied=('model',), reserved=reserved)
 
     for section, registry in COMPONENT_SECTIONS.items():
@@ -216,12 +213,23 @@ def check_kwargs(func: Callable[..., Any], kwargs: Mapping[str, Any], where: str
 # -- internals ---------------------------------------------------------------------------------------
 
 
+def _not_under_trainer(sections: Collection[str]) -> dict[str, str]:
+    """Trainer arguments a config does not set under ``trainer:``, and why."""
+    script = f"the script's {', '.join(sections)} sections" if sections else 'the script'
+    built = {key: f'is built by {script}, not set under trainer:' for key in ('model', 'train_dataloader',
+                                                                             'eval_dataloader')}
+    moved = {key: f'goes in the top-level {key}: section, not under trainer:' for key in (*COMPONENT_SECTIONS,
+                                                                                          'optimizers')}
+    return {**built, **moved}
+
+
 def _build(registry: Registry, spec: Any, where: str, problems: list[str], *args: Any, one: bool = False) -> list[Any]:
+    """Append to ``problems`` and build nothing that has one; ``args`` go first to every factory."""
     before = len(problems)
     entries = _entries(spec, where, problems)
-    if one and len(entries) != 1 and len(problems) == before:
-        problems.append(f'{where}: expected exactly one {registry.kind}, got {len(entries)}')
     if one and len(entries) != 1:
+        if len(problems) == before:
+            problems.append(f'{where}: expected exactly one {registry.kind}, got {len(entries)}')
         return []
     built = []
     for at, name, kwargs in entries:
@@ -278,20 +286,22 @@ def _check_call(
     supplied: Collection[str] = (),
     reserved: Optional[Mapping[str, str]] = None,
 ) -> dict[str, Any]:
+    """Append to ``problems`` what is wrong with ``func(<supplied>, **kwargs)``; return the kwargs, conformed."""
     sig = _signature(func)
     if sig is None:  # a builtin without a signature: let the call decide
         return dict(kwargs)
+    reserved = reserved or {}
     takes_any = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
     names = [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    settable = [n for n in names if n not in reserved and n not in supplied]
     hints = _hints(func)
     out = {}
     for key, value in kwargs.items():
         at = f'{where}.{key}'
-        if reserved and key in reserved:
+        if key in reserved:
             problems.append(f'{at}: {reserved[key]}')
         elif key not in names and not takes_any:
-            problems.append(_unknown(str(key), f'argument of {_qualname(func)}', [n for n in names if n not in
-                                                                                  (reserved or {})], at=at))
+            problems.append(_unknown(str(key), f'argument of {_name(func)}', settable, at=at))
         else:
             try:
                 out[key] = _conform(value, hints[key]) if key in hints else value
@@ -300,7 +310,7 @@ def _check_call(
     missing = [n for n in names if sig.parameters[n].default is inspect.Parameter.empty
                and n not in kwargs and n not in supplied]
     if missing:
-        problems.append(f'{where}: missing required argument(s) of {_qualname(func)}: {", ".join(missing)}')
+        problems.append(f'{where}: missing required argument(s) of {_name(func)}: {", ".join(missing)}')
     return out
 
 
@@ -321,13 +331,16 @@ def _conform(value: Any, hint: Any) -> Any:
 def _check_parsed_string(value: str, hint: Any) -> None:
     """Strings Composer turns into a ``Time`` or an enum member must parse."""
     members = _union_members(hint)
-    if str in members and Time in members:
+    if str not in members:
+        return
+    if Time in members:
         try:
             Time.from_timestring(value)
         except ValueError:
-            raise TypeError(f"expected a time string such as '3ep', '100ba', '2048sp' or '0.5dur', got {value!r}")
+            example = "'3ep', '100ba', '2048sp' or '0.5dur'"
+            raise TypeError(f'expected a time string such as {example}, got {value!r}') from None
     for member in members:
-        if inspect.isclass(member) and issubclass(member, enum.Enum) and str in members:
+        if inspect.isclass(member) and issubclass(member, enum.Enum):
             try:
                 member(value)
             except ValueError:
@@ -342,9 +355,7 @@ def _union_members(hint: Any) -> list[Any]:
 
 
 def _unknown(name: str, what: str, allowed: Sequence[str], at: Optional[str] = None) -> str:
-    guesses = close_matches(name, allowed)
-    hint = f"did you mean {' or '.join(map(repr, guesses))}?" if guesses else f'allowed: {", ".join(allowed)}'
-    return f'{at or name}: unknown {what}; {hint}'
+    return f'{at or name}: unknown {what}; {did_you_mean(name, allowed) or "allowed: " + ", ".join(allowed)}'
 
 
 def _signature(func: Callable[..., Any]) -> Optional[inspect.Signature]:
@@ -355,17 +366,22 @@ def _signature(func: Callable[..., Any]) -> Optional[inspect.Signature]:
 
 
 def _hints(func: Callable[..., Any]) -> dict[str, Any]:
-    """Resolved annotations of ``func``'s (or the class's ``__init__``'s) parameters; ``{}`` if they cannot be resolved."""
+    """Resolved annotations of ``func`` (of ``__init__`` for a class); ``{}`` if they cannot be resolved."""
     try:
         return typing.get_type_hints(func.__init__ if inspect.isclass(func) else func)
     except Exception:  # unresolvable forward references: check names, not types
         return {}
 
 
-def _qualname(func: Callable[..., Any]) -> str:
+def _name(func: Callable[..., Any]) -> str:
     return getattr(func, '__qualname__', repr(func))
 
 
 def _type_name(hint: Any) -> str:
-    """``typing.Optional[composer.core.time.Time]`` -> ``Optional[Time]``."""
-    return re.sub(r'\b(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_])', '', inspect.formatannotation(hint))
+    """``Optional[Union[int, composer.core.time.Time]]`` -> ``int | Time | None``."""
+    if typing.get_origin(hint) is Union:
+        return ' | '.join(_type_name(m) for m in typing.get_args(hint))
+    if hint is type(None):
+        return 'None'
+    name = re.sub(r'\b(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_])', '', inspect.formatannotation(hint))
+    return name.replace('NoneType', 'None')

@@ -32,7 +32,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import Any, Callable, Optional
 
@@ -49,22 +49,27 @@ from composer_join.algorithm import UnevenJoin
 
 __all__ = [
     'ALGORITHMS', 'CALLBACKS', 'LOGGERS', 'OPTIMIZERS', 'SCHEDULERS',
-    'Registry', 'UnknownNameError', 'close_matches', 'snake_case', 'subclasses_in',
+    'Registry', 'UnknownNameError', 'did_you_mean', 'snake_case', 'subclasses_in',
 ]
 
 
 def snake_case(name: str) -> str:
-    """``GradientClipping`` -> ``gradient_clipping``; acronyms stay whole (``LRMonitor`` -> ``lr_monitor``,
-    ``EMA`` -> ``ema``, ``DecoupledAdamW`` -> ``decoupled_adamw``)."""
+    """The snake case of a class name, acronyms kept whole.
+
+    ``GradientClipping`` -> ``gradient_clipping``, ``LRMonitor`` -> ``lr_monitor``, ``EMA`` -> ``ema``,
+    ``DecoupledAdamW`` -> ``decoupled_adamw``.
+    """
     name = re.sub(r'([A-Z]+)([A-Z][a-z])', r'\1_\2', name)
     return re.sub(r'([a-z\d])([A-Z])(?=[A-Za-z])', r'\1_\2', name).lower()
 
 
-def close_matches(name: str, choices: Any, n: int = 3) -> list[str]:
-    """Up to ``n`` of ``choices`` that look like ``name`` (for "did you mean" messages)."""
-    choices = list(choices)
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """``"did you mean 'a', 'b' or 'c'?"`` for up to three of ``choices`` that look like ``name``; ``''`` if none do."""
     keys = {_key(c): c for c in choices}
-    return [keys[k] for k in difflib.get_close_matches(_key(name), keys, n=n, cutoff=0.6)]
+    guesses = [repr(keys[k]) for k in difflib.get_close_matches(_key(name), keys, n=3, cutoff=0.6)]
+    if len(guesses) > 1:
+        guesses = [', '.join(guesses[:-1]), guesses[-1]]
+    return f"did you mean {' or '.join(guesses)}?" if guesses else ''
 
 
 class UnknownNameError(LookupError):
@@ -78,9 +83,8 @@ class UnknownNameError(LookupError):
 
     def __init__(self, kind: str, name: Any, allowed: list[str]):
         self.kind, self.name, self.allowed = kind, name, allowed
-        guesses = close_matches(str(name), allowed)
-        hint = f"did you mean {' or '.join(map(repr, guesses))}? " if guesses else ''
-        super().__init__(f'unknown {kind} {name!r}; {hint}allowed: {", ".join(allowed)}')
+        hint = did_you_mean(str(name), allowed)
+        super().__init__(f'unknown {kind} {name!r}; {hint + " " if hint else ""}allowed: {", ".join(allowed)}')
 
 
 class Registry:

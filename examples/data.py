@@ -15,7 +15,7 @@ built before ``Trainer`` sets up distributed training.
 =================  ==================================================================================
 
 Example:
-    >>> loaders = DATASETS['digits'](batch_size=32, shares=[3, 1])  # in a 2-rank run: 1078 or 359 samples
+    >>> loaders = DATASETS['digits'](batch_size=32, shares=[3, 1])  # of 2 ranks: rank 0 gets 1078 samples, rank 1 360
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ IGNORE = -100  # label of padding, ignored by the loss
 
 
 class Loaders(NamedTuple):
+    """This rank's training shard and its part of the evaluation set."""
+
     train: DataLoader
     eval: DataLoader
 

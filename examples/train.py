@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import warnings
 
 # Composer's launcher SIGTERMs every rank once one exits non-zero. Keep SIGTERM pending (blocked)
 # until this rank has checked the config, so that with a bad config every rank reports it.
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('overrides', nargs='*', help='key.path=value, e.g. trainer.max_duration=3ep')
     args = parser.parse_args(argv)
     rank = dist.get_global_rank()
+    # Composer warns about every batch smaller than the microbatch size: with token budgets, every batch.
+    warnings.filterwarnings('ignore', message='Cannot split (tensor|list) of length')
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 def summary(trainer: Trainer, join: UnevenJoin | None) -> str:
     """Per rank, the run's real batches, shadow steps and samples (from ``join.reports``); then the final metrics."""
     reports = join.reports if join is not None else []
-    lines = [f'UnevenJoin, {len(reports)} epochs:' if reports else 'UnevenJoin: not active (one rank, or not configured)']
+    active = f'UnevenJoin, {len(reports)} epochs:'
+    lines = [active if reports else 'UnevenJoin: not active (a single rank, or not in algorithms:)']
     for r in range(reports[0].world_size if reports else 0):
         samples = [e.real_samples[r] for e in reports]
         lines.append(f'  rank {r}: {sum(e.real_batches[r] for e in reports)} real batches, '

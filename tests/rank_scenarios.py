@@ -293,7 +293,7 @@ def make_eval_loader(cfg: dict, rank: int) -> Optional[DataLoader]:
         x, y = shard(50 + rank, cfg['eval_shards'][rank])
         return DataLoader(ShardWithLen(x, y), batch_size=batch_size)
     if cfg.get('eval_map') is not None:
-        dataset = ShardDataset(*shard(99, cfg['eval_map']))
+        dataset = Indexed(*shard(99, cfg['eval_map']))
         sampler = DistributedSampler(dataset, shuffle=False) if cfg.get('eval_sampler') == 'torch' else \
             ExactDistributedSampler(dataset, shuffle=False)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
@@ -306,17 +306,6 @@ def make_evaluator(cfg: dict, rank: int) -> Optional[Evaluator]:
         return None
     return Evaluator(label='eval', dataloader=loader, metric_names=['MulticlassAccuracy', 'MeanLoss'],
                      device_eval_microbatch_size=cfg.get('eval_microbatch'))
-
-
-class ShardDataset(Dataset):
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int):
-        return self.x[i], self.y[i]
 
 
 def make_optimizer(cfg: dict, params) -> torch.optim.Optimizer:

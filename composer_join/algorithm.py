@@ -92,7 +92,8 @@ class UnevenJoin(Algorithm):
             still have data (the plain mean over real samples).
         enable: if False the algorithm does nothing and Composer behaves as without it.
         throw_on_early_termination: if True, every rank raises :class:`UnevenInputsError` at the
-            first step where some rank has no batch left, before any optimizer step for it.
+            first training step where some rank has no batch left, before any optimizer step for
+            it. (Evaluation always joins: uneven eval shards are evaluated exactly.)
     """
 
     def __init__(
@@ -187,7 +188,7 @@ class UnevenJoin(Algorithm):
                 log.info('UnevenJoin is inactive (%s): Composer runs exactly as without it.', why)
         return self._active
 
-    def _join(self, state: State, dataloader: Any, cached: Optional[JoinLoader]) -> JoinLoader:
+    def _join(self, state: State, dataloader: Any, cached: Optional[JoinLoader], throw: bool = False) -> JoinLoader:
         """Wrap ``dataloader`` (the one just set on ``state``) in a JoinLoader, sharing the longest length."""
         if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer
             dataloader = dataloader.dataloader
@@ -205,7 +206,7 @@ class UnevenJoin(Algorithm):
                 describe=lambda batch: _describe(spec, batch, state.device_train_microbatch_size),
                 length=shared,
                 check_overflow=check_overflow,
-                throw_on_early_termination=self.throw_on_early_termination,
+                throw_on_early_termination=throw,
                 to_device=state.device.tensor_to_device,
             )
         label = state.dataloader_label
@@ -215,7 +216,9 @@ class UnevenJoin(Algorithm):
         return loader
 
     def _fit_start(self, state: State) -> None:
-        self._train_loader = self._loader = self._join(state, state.dataloader, self._train_loader)
+        self._train_loader = self._loader = self._join(
+            state, state.dataloader, self._train_loader, throw=self.throw_on_early_termination,
+        )
         if isinstance(state.model, DistributedDataParallel) and state.model is not self._hooked:
             broadcast_buffers_from(state.model, lambda: self._source.rank)
             self._guard = BufferGuard(state.model.module)

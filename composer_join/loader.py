@@ -77,6 +77,7 @@ class JoinLoader:
         self.to_device = to_device
         self.template: Optional[Any] = None  # first samples of a real batch, on the CPU
         self.plan: Optional[StepPlan] = None  # the current step's plan, while iterating
+        self._exhausted: Optional[Iterator] = None  # the iterator that ran out
         self.report = EpochReport(epoch=0, world_size=dist.get_world_size())
         self.epoch = 0
 
@@ -95,38 +96,10 @@ class JoinLoader:
     def __iter__(self) -> Iterator[Any]:
         batches = iter(self.dataloader)
         self.report = EpochReport(epoch=self.epoch, world_size=dist.get_world_size())
-        exhausted = False
         step = 0
         try:
             while True:
-                batch, error, status = None, None, None
-                if not exhausted:
-                    try:
-                        batch = next(batches)
-                    except StopIteration:
-                        exhausted = True
-                    except Exception as e:  # reported to every rank below, then re-raised here
-                        error = e
-                if exhausted and error is None and self.template is not None and sample_lists(self.template):
-                    error = UnevenInputsError(
-                        f'rank {dist.get_global_rank()} ran out of data at step {step} and must shadow the others, but '
-                        f'its batches hold Python lists of samples (e.g. strings), which Composer\'s default '
-                        f'split_batch cannot split when empty. Make the dataloader yield tensors only, or use '
-                        f'UnevenJoin(throw_on_early_termination=True) to stop instead.',
-                    )
-                if error is not None:
-                    status = RankStatus(has_batch=False, failed=True)
-                elif exhausted:
-                    status = RankStatus(has_batch=False, samples=0, microbatches=1, needs_template=self.template is None)
-                else:
-                    if self.template is None:
-                        self.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
-                    samples, microbatches = self.describe(batch)
-                    overflow = False
-                    if self.check_overflow and self.length is not None and step == self.length - 1:
-                        overflow, exhausted = _peek(batches)
-                    status = RankStatus(True, samples, microbatches, overflow=overflow)
-
+                batch, status, error = self._fetch(batches, step)
                 plan = agree(step, status, self.to_device)
                 self._raise_if_needed(plan, error)
                 if not plan.active_ranks:
@@ -139,6 +112,32 @@ class JoinLoader:
                 step += 1
         finally:
             self.plan = None
+
+    def _fetch(self, batches: Iterator[Any], step: int) -> tuple[Any, RankStatus, Optional[BaseException]]:
+        """This rank's next batch (None once exhausted), its status for the agreement, and any error."""
+        if batches is not self._exhausted:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                self._exhausted = batches
+            except Exception as e:  # reported to every rank by the agreement, then re-raised here
+                return None, RankStatus(has_batch=False, failed=True), e
+            else:
+                if self.template is None:
+                    self.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
+                samples, microbatches = self.describe(batch)
+                overflow = False
+                if self.check_overflow and self.length is not None and step == self.length - 1:
+                    overflow = _has_more(batches)
+                return batch, RankStatus(True, samples, microbatches, overflow=overflow), None
+        if self.template is not None and sample_lists(self.template):
+            return None, RankStatus(has_batch=False, failed=True), UnevenInputsError(
+                f'rank {dist.get_global_rank()} ran out of data at step {step} and must shadow the others, but its '
+                f'batches hold Python lists of samples (e.g. strings), which Composer\'s default split_batch cannot '
+                f'split when empty. Make the dataloader yield tensors only, or use '
+                f'UnevenJoin(throw_on_early_termination=True) to stop instead.',
+            )
+        return None, RankStatus(has_batch=False, samples=0, microbatches=1, needs_template=self.template is None), None
 
     def _raise_if_needed(self, plan: StepPlan, error: Optional[BaseException]) -> None:
         failed = [r for r, s in enumerate(plan.statuses) if s.failed]
@@ -153,14 +152,14 @@ class JoinLoader:
         overflow = [r for r, s in enumerate(plan.statuses) if s.overflow]
         if overflow:
             raise UnevenInputsError(
-                f'the train dataloader of rank(s) {overflow} yielded more than the {self.length} batches per epoch '
+                f'the dataloader of rank(s) {overflow} yielded more than the {self.length} batches per epoch '
                 f'that the longest len() promised; the extra batches would be silently dropped. Make __len__ of '
                 f'each rank\'s dataset match what it yields, or remove __len__ so the epoch ends when data does.',
             )
         if self.throw_on_early_termination and plan.active_ranks and plan.joined_ranks:
             counts = ', '.join(f'rank {r}: {n}' for r, n in enumerate(self.report.real_batches))
             raise UnevenInputsError(
-                f'rank(s) {plan.joined_ranks} ran out of training data at step {plan.step} of epoch {self.epoch} '
+                f'rank(s) {plan.joined_ranks} ran out of data at step {plan.step} of epoch {self.epoch} '
                 f'while rank(s) {plan.active_ranks} still have batches (batches so far: {counts}). '
                 f'UnevenJoin(throw_on_early_termination=True) stops here; set it to False to let exhausted '
                 f'ranks join and shadow the others until all are done.',
@@ -174,13 +173,13 @@ class JoinLoader:
             log.info('rank %d has no data of its own; shaped its shadow batches after rank %d', dist.get_global_rank(), source)
 
 
-def _peek(batches: Iterator[Any]) -> tuple[bool, bool]:
-    """(overflow, exhausted) after trying to fetch one batch past the promised length."""
+def _has_more(batches: Iterator[Any]) -> bool:
+    """Whether ``batches`` yields another batch (fetching it)."""
     try:
         next(batches)
     except StopIteration:
-        return False, True
-    return True, False
+        return False
+    return True
 
 
 def _distributed_sampler(dataloader: Any) -> Optional[DistributedSampler]:

@@ -28,6 +28,7 @@ event                     what happens
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Optional
 
 from composer.core import Algorithm, DataSpec, Event, State
@@ -186,6 +187,10 @@ class UnevenJoin(Algorithm):
             self._active = why is None
             if why is not None:
                 log.info('UnevenJoin is inactive (%s): Composer runs exactly as without it.', why)
+            else:
+                # Composer's split_batch warns that a shadow batch (zero samples) is smaller than
+                # the microbatch size, advice that is meant for a real last batch.
+                warnings.filterwarnings('ignore', message='Cannot split tensor of length 0 ')
         return self._active
 
     def _join(self, state: State, dataloader: Any, cached: Optional[JoinLoader], throw: bool = False) -> JoinLoader:

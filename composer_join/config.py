@@ -29,10 +29,11 @@ raised as one :class:`ConfigError`, whose lines each name the key and what is al
 here communicates between ranks: every rank checks the same config and fails the same way, before
 ``Trainer`` sets up distributed training.
 
-Example:
-    >>> cfg = load_config('configs/digits_uneven.yaml', ['trainer.max_duration=1ep'])  # doctest: +SKIP
-    >>> kwargs = trainer_kwargs(cfg, model.parameters(), sections=('data', 'model'))   # doctest: +SKIP
-    >>> trainer = Trainer(model=model, train_dataloader=train, **kwargs)               # doctest: +SKIP
+Example::
+
+    cfg = load_config('configs/digits_uneven.yaml', ['trainer.max_duration=1ep'])
+    kwargs = trainer_kwargs(cfg, model.parameters(), sections=('data', 'model'))
+    trainer = Trainer(model=model, train_dataloader=train, **kwargs)
 """
 
 from __future__ import annotations
@@ -87,10 +88,10 @@ def load_config(path: Union[str, Path], overrides: Sequence[str] = ()) -> DictCo
         ConfigError: the file is missing or not YAML, an override is not ``key=value``, or an
             interpolation cannot be resolved (the message names its key).
 
-    Example:
-        >>> cfg = load_config('configs/digits_uneven.yaml', ['trainer.max_duration=3ep'])  # doctest: +SKIP
-        >>> cfg.trainer.max_duration  # doctest: +SKIP
-        '3ep'
+    Example::
+
+        cfg = load_config('configs/digits_uneven.yaml', ['trainer.max_duration=3ep'])
+        assert cfg.trainer.max_duration == '3ep'
     """
     bad = [o for o in overrides if '=' not in o]
     if bad:

@@ -10,8 +10,9 @@ event                     what happens
                           broadcast (:mod:`composer_join.ddp`)
 ``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
 ``BEFORE_TRAIN_BATCH``    reset the microbatch cursor, move the buffer source off an exhausted rank
-``BEFORE_FORWARD``        shadow: swap the empty batch for a two-sample template, guard buffers;
-                          real: keep a template; uneven microbatch counts: sync only the last one
+``BEFORE_FORWARD``        DDP sync for this microbatch (:class:`~composer_join.ddp.MicrobatchSync`);
+                          shadow: swap the empty batch for a two-sample template, guard buffers;
+                          real: keep a template
 ``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked
 ``AFTER_BACKWARD``        restore DDP syncing; forced_sync: zero grads where another rank has one;
                           shadow: restore buffers, keep train metrics out
@@ -31,16 +32,16 @@ import logging
 import warnings
 from typing import Any, Optional
 
-from composer.core import Algorithm, DataSpec, Event, State
+from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 from torch.nn.parallel import DistributedDataParallel
 
 from composer_join.batches import first_samples
-from composer_join.ddp import BufferGuard, BufferSource, broadcast_buffers_from
-from composer_join.gradients import scale_grad, share_grad_presence
-from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, pads_by_repeating
-from composer_join.plan import StepPlan, agree_on_length
+from composer_join.ddp import BufferGuard, BufferSource, MicrobatchSync, broadcast_buffers_from
+from composer_join.gradients import scale_grad
+from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
+from composer_join.plan import StepPlan
 from composer_join.report import EpochReport
 
 __all__ = ['UnevenJoin', 'is_shadow_step']
@@ -122,9 +123,7 @@ class UnevenJoin(Algorithm):
         self._guard: Optional[BufferGuard] = None
         self._source = BufferSource()
         self._hooked: Optional[DistributedDataParallel] = None
-        self._samples_seen = 0
-        self._sync_suppressed = False
-        self._manual_sync = False
+        self._sync = MicrobatchSync()
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
 
     def __repr__(self) -> str:
@@ -155,10 +154,11 @@ class UnevenJoin(Algorithm):
         elif event == Event.EPOCH_START:
             self._train_loader.set_epoch(int(state.timestamp.epoch))
         elif event == Event.BEFORE_TRAIN_BATCH:
-            self._samples_seen = 0
+            self._sync.start_step()
             self._source.update(self.plan)
         elif event == Event.BEFORE_FORWARD:
-            self._sync_microbatch(state)
+            if isinstance(state.model, DistributedDataParallel):
+                self._sync.before_forward(state.model, self.plan, dist.get_global_rank(), self._loader.count(state.batch))
             self._shadow_input(state)
         elif event == Event.AFTER_LOSS:
             factor = 0.0 if self.is_shadow_step else self.plan.grad_factor(self.divide_by_initial_world_size)
@@ -193,70 +193,24 @@ class UnevenJoin(Algorithm):
                 warnings.filterwarnings('ignore', message='Cannot split tensor of length 0 ')
         return self._active
 
-    def _join(self, state: State, dataloader: Any, cached: Optional[JoinLoader], throw: bool = False) -> JoinLoader:
-        """Wrap ``dataloader`` (the one just set on ``state``) in a JoinLoader, sharing the longest length."""
-        if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer
-            dataloader = dataloader.dataloader
-        shared, check_overflow, own_lens = agree_on_length(
-            _len_or_none(dataloader), None if state.dataloader_len is None else int(state.dataloader_len),
-            state.device.tensor_to_device,
-        )
-        if cached is not None and cached.dataloader is dataloader:
-            loader = cached  # keeps the template it has
-            loader.length, loader.check_overflow = shared, check_overflow
-        else:
-            spec = DataSpec(dataloader)
-            loader = JoinLoader(
-                dataloader,
-                describe=lambda batch: _describe(spec, batch, state.device_train_microbatch_size),
-                length=shared,
-                check_overflow=check_overflow,
-                throw_on_early_termination=throw,
-                to_device=state.device.tensor_to_device,
-            )
-        label = state.dataloader_label
-        state.set_dataloader(loader, label, -1 if shared is None else shared)
-        log.info('UnevenJoin: %s batches per rank %s; every rank runs %s steps.', label, own_lens,
-                 shared if shared is not None else 'until the last rank runs out')
-        return loader
-
     def _fit_start(self, state: State) -> None:
-        self._train_loader = self._loader = self._join(
-            state, state.dataloader, self._train_loader, throw=self.throw_on_early_termination,
-        )
+        self._train_loader = self._loader = join_dataloader(state, self._train_loader, self.throw_on_early_termination)
         if isinstance(state.model, DistributedDataParallel) and state.model is not self._hooked:
             broadcast_buffers_from(state.model, lambda: self._source.rank)
             self._guard = BufferGuard(state.model.module)
             self._hooked = state.model
 
     def _eval_start(self, state: State) -> None:
-        dataloader, label = state.dataloader, state.dataloader_label
-        if pads_by_repeating(dataloader):
+        label = state.dataloader_label
+        if pads_by_repeating(state.dataloader):
             # torch's DistributedSampler evens shards out by repeating samples, and Composer's eval
             # loop removes exactly those repeats: nothing is uneven, leave it to Composer.
             self._loader = None
             return
-        self._eval_loaders[label] = self._loader = self._join(state, dataloader, self._eval_loaders.get(label))
+        self._eval_loaders[label] = self._loader = join_dataloader(state, self._eval_loaders.get(label))
         self._loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
 
     # -- per microbatch ----------------------------------------------------------------------------
-
-    def _sync_microbatch(self, state: State) -> None:
-        """Decide this microbatch's DDP gradient sync; notes when the step ends in a manual sync."""
-        plan, ddp = self.plan, state.model
-        if not isinstance(ddp, DistributedDataParallel):
-            return
-        mine = plan.statuses[dist.get_global_rank()].samples
-        self._samples_seen += _count(self._loader, state.batch)
-        final = 0 <= mine <= self._samples_seen  # this rank's last microbatch of the step
-        if ddp.require_backward_grad_sync and not final and not plan.even_microbatches:
-            # Ranks split this step into different numbers of microbatches and the strategy syncs
-            # every microbatch: sync only each rank's last one, which gives the same sum.
-            ddp.require_backward_grad_sync = False
-            self._sync_suppressed = True
-        # No DDP sync even on the last microbatch: Composer all-reduces the gradients by hand
-        # (forced_sync), skipping parameters whose gradient is None.
-        self._manual_sync = final and not ddp.require_backward_grad_sync
 
     def _shadow_input(self, state: State) -> None:
         """Shadow: feed the forward two real samples instead of the empty batch; real: keep two."""
@@ -272,14 +226,8 @@ class UnevenJoin(Algorithm):
             self._guard.armed = True
 
     def _after_backward(self, state: State) -> None:
-        if self._sync_suppressed:
-            state.model.require_backward_grad_sync = True
-            self._sync_suppressed = False
-        if self._manual_sync and (state.model.find_unused_parameters or self.plan.joined_ranks):
-            # A parameter unused on one rank (a shadow's template, a data-dependent branch) must
-            # still enter Composer's manual all-reduce there, or the collectives mismatch.
-            share_grad_presence(state.optimizers, state.device.tensor_to_device)
-        self._manual_sync = False
+        if isinstance(state.model, DistributedDataParallel):
+            self._sync.after_backward(state.model, self.plan, state.optimizers, state.device.tensor_to_device)
         if self.is_shadow_step:
             if self._guard is not None:
                 self._guard.restore()
@@ -321,26 +269,3 @@ def is_shadow_step(state: State) -> bool:
                     self.steps += 1
     """
     return any(isinstance(a, UnevenJoin) and a.is_shadow_step for a in state.algorithms)
-
-
-def _len_or_none(dataloader: Any) -> Optional[int]:
-    try:
-        return len(dataloader)
-    except (TypeError, NotImplementedError):
-        return None
-
-
-def _count(loader: JoinLoader, batch: Any) -> int:
-    samples, _ = loader.describe(batch)
-    return max(samples, 0)
-
-
-def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, int]:
-    """(samples, microbatches) as Composer's default ``DataSpec`` counts and splits ``batch``."""
-    try:
-        samples = int(spec.get_num_samples_in_batch(batch))
-    except (ValueError, NotImplementedError, TypeError, AttributeError):
-        return -1, 0
-    if not isinstance(microbatch_size, int) or microbatch_size <= 0:
-        return samples, 0
-    return samples, max(1, -(-samples // microbatch_size))

@@ -1,4 +1,4 @@
-"""The two places where UnevenJoin reaches into torch's ``DistributedDataParallel``.
+"""The places where UnevenJoin reaches into torch's ``DistributedDataParallel``.
 
 * :func:`broadcast_buffers_from`: DDP broadcasts module buffers (BatchNorm statistics) from rank 0
   before each synced forward. Once rank 0 has run out of data its buffers are stale, so, as torch's
@@ -9,19 +9,22 @@
   A forward pre-hook on the wrapped module snapshots all buffers (after DDP's broadcast) when
   armed; :meth:`BufferGuard.restore` copies them back once the backward pass no longer needs them.
   Cost when armed: two copies of the buffers; when not armed, one attribute check per forward.
+* :class:`MicrobatchSync`: every rank must issue the same gradient collectives in a step, even
+  when ranks split it into different numbers of microbatches.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
+from composer_join.gradients import share_grad_presence
 from composer_join.plan import StepPlan
 
-__all__ = ['BufferGuard', 'BufferSource', 'broadcast_buffers_from']
+__all__ = ['BufferGuard', 'BufferSource', 'MicrobatchSync', 'broadcast_buffers_from']
 
 
 def broadcast_buffers_from(ddp: DistributedDataParallel, source_rank: Callable[[], int]) -> None:
@@ -84,3 +87,53 @@ class BufferGuard:
                 buffer.copy_(value)
         self._saved = []
         self.armed = False
+
+
+class MicrobatchSync:
+    """Makes every rank issue the same gradient collectives in a step, whatever its microbatch count.
+
+    * ``multi_auto_sync`` syncs every microbatch. On a step whose ranks have different microbatch
+      counts (the plan says so), only each rank's last microbatch syncs: DDP all-reduces the
+      gradient accumulated over all of them, so the sum is the same, in one sync per rank.
+    * ``forced_sync`` all-reduces ``p.grad`` by hand after the last microbatch, skipping ``None``
+      gradients; on steps with a joined rank, or with ``find_unused_parameters``, a zero gradient
+      is given where another rank has one (:func:`share_grad_presence`, one small collective).
+    * ``single_auto_sync`` already syncs once per rank per step: nothing to do.
+
+    A rank's last microbatch is the one that completes its batch's sample count. Call
+    :meth:`start_step` once per step, :meth:`before_forward` and :meth:`after_backward` around
+    every microbatch, on every rank. Cost: one sample count per microbatch.
+    """
+
+    def __init__(self):
+        self.seen = 0  # samples of this step's microbatches so far
+        self.suppressed = False  # this microbatch's sync was turned off here
+        self.manual = False  # this is the last microbatch and Composer syncs by hand after it
+
+    def start_step(self) -> None:
+        self.seen = 0
+
+    def before_forward(self, ddp: DistributedDataParallel, plan: StepPlan, rank: int, samples: int) -> None:
+        """Before the forward of a microbatch of ``samples`` samples (inside Composer's sync context)."""
+        mine = plan.statuses[rank].samples
+        self.seen += samples
+        final = 0 <= mine <= self.seen
+        if ddp.require_backward_grad_sync and not final and not plan.even_microbatches:
+            ddp.require_backward_grad_sync = False
+            self.suppressed = True
+        self.manual = final and not ddp.require_backward_grad_sync
+
+    def after_backward(
+        self,
+        ddp: DistributedDataParallel,
+        plan: StepPlan,
+        optimizers: Sequence[torch.optim.Optimizer],
+        to_device: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """After the backward of the same microbatch."""
+        if self.suppressed:
+            ddp.require_backward_grad_sync = True
+            self.suppressed = False
+        if self.manual and (ddp.find_unused_parameters or plan.joined_ranks):
+            share_grad_presence(optimizers, to_device)
+        self.manual = False

@@ -14,10 +14,9 @@ on it once per step on every rank; inside that call the loader
 A rank that has never seen a batch (an empty shard) is sent a one-or-two sample template by the
 lowest rank with data, once, to learn the batch structure.
 
-Example (what the algorithm does at ``Event.FIT_START``)::
+Example (what the algorithm does at ``Event.FIT_START`` and ``Event.EVAL_START``)::
 
-    loader = JoinLoader(state.dataloader, length=shared_len, describe=describe)
-    state.set_dataloader(loader, 'train', shared_len)
+    loader = join_dataloader(state)  # wraps state.dataloader and puts the wrapper in its place
 """
 
 from __future__ import annotations
@@ -30,11 +29,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from composer_join.batches import first_samples, sample_lists, to_cpu
 from composer_join.errors import UnevenInputsError
-from composer_join.plan import RankStatus, StepPlan, agree
+from composer_join.plan import RankStatus, StepPlan, agree, agree_on_length
 from composer_join.report import EpochReport
+from composer.core import DataSpec, State
 from composer.utils import dist
 
-__all__ = ['JoinLoader', 'TEMPLATE_SAMPLES', 'pads_by_repeating']
+__all__ = ['JoinLoader', 'TEMPLATE_SAMPLES', 'join_dataloader', 'pads_by_repeating']
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,10 @@ class JoinLoader:
         if self.length is None:
             raise TypeError('some rank\'s train dataloader has no len(), so the epoch length is unknown')
         return self.length
+
+    def count(self, batch: Any) -> int:
+        """Samples in ``batch`` (a microbatch, say), 0 if they cannot be counted."""
+        return max(self.describe(batch)[0], 0)
 
     def set_epoch(self, epoch: int) -> None:
         """Called at every epoch start: reshuffles a ``DistributedSampler`` as Composer would."""
@@ -171,6 +175,58 @@ class JoinLoader:
         if self.template is None:
             self.template = box[0]
             log.info('rank %d has no data of its own; shaped its shadow batches after rank %d', dist.get_global_rank(), source)
+
+
+def join_dataloader(state: State, cached: Optional[JoinLoader] = None, throw: bool = False) -> JoinLoader:
+    """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
+
+    Called on every rank at the same point (fit or evaluation start): one collective to agree on
+    the longest rank's length. ``cached``, a loader made earlier for the same dataloader, is reused
+    with the template it holds. ``throw`` is ``throw_on_early_termination``.
+    """
+    dataloader = state.dataloader
+    if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer
+        dataloader = dataloader.dataloader
+    shared, check_overflow, own_lens = agree_on_length(
+        _len_or_none(dataloader), None if state.dataloader_len is None else int(state.dataloader_len),
+        state.device.tensor_to_device,
+    )
+    if cached is not None and cached.dataloader is dataloader:
+        loader = cached
+        loader.length, loader.check_overflow = shared, check_overflow
+    else:
+        spec = DataSpec(dataloader)
+        loader = JoinLoader(
+            dataloader,
+            describe=lambda batch: _describe(spec, batch, state.device_train_microbatch_size),
+            length=shared,
+            check_overflow=check_overflow,
+            throw_on_early_termination=throw,
+            to_device=state.device.tensor_to_device,
+        )
+    label = state.dataloader_label
+    state.set_dataloader(loader, label, -1 if shared is None else shared)
+    log.info('UnevenJoin: %s batches per rank %s; every rank runs %s steps.', label, own_lens,
+             shared if shared is not None else 'until the last rank runs out')
+    return loader
+
+
+def _len_or_none(dataloader: Any) -> Optional[int]:
+    try:
+        return len(dataloader)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, int]:
+    """(samples, microbatches) as Composer's default ``DataSpec`` counts and splits ``batch``."""
+    try:
+        samples = int(spec.get_num_samples_in_batch(batch))
+    except (ValueError, NotImplementedError, TypeError, AttributeError):
+        return -1, 0
+    if not isinstance(microbatch_size, int) or microbatch_size <= 0:
+        return samples, 0
+    return samples, max(1, -(-samples // microbatch_size))
 
 
 def _has_more(batches: Iterator[Any]) -> bool:

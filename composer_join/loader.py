@@ -4,7 +4,9 @@
 on it once per step on every rank; inside that call the loader
 
 1. fetches this rank's next batch (or notes that it has run out, or that fetching failed);
-2. agrees with all ranks on a :class:`~composer_join.plan.StepPlan` (one small collective);
+2. agrees with all ranks on a :class:`~composer_join.plan.StepPlan` (one small collective, for
+   which it fetched the batch and started the collective during the previous ``next``, so that
+   it overlaps that step's training);
 3. stops the epoch on every rank when no rank has data left, raises :class:`UnevenInputsError`
    on every rank when the plan says so, and otherwise yields the real batch, or, on a rank that
    has run out, a *shadow batch*: the same structure with zero samples. Composer counts a shadow
@@ -29,7 +31,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from composer_join.batches import first_samples, sample_lists, to_cpu
 from composer_join.errors import UnevenInputsError
-from composer_join.plan import RankStatus, StepPlan, agree, agree_on_length
+from composer_join.plan import Agreement, RankStatus, StepPlan, agree_on_length
 from composer_join.report import EpochReport
 from composer.core import DataSpec, State
 from composer.utils import dist
@@ -100,11 +102,11 @@ class JoinLoader:
     def __iter__(self) -> Iterator[Any]:
         batches = iter(self.dataloader)
         self.report = EpochReport(epoch=self.epoch, world_size=dist.get_world_size())
-        step = 0
+        step, pending = 0, self._fetch_and_agree(batches, 0)
         try:
             while True:
-                batch, status, error = self._fetch(batches, step)
-                plan = agree(step, status, self.to_device)
+                batch, status, error, agreement = pending
+                plan = agreement.plan()
                 self._raise_if_needed(plan, error)
                 if not plan.active_ranks:
                     return
@@ -112,10 +114,16 @@ class JoinLoader:
                     self._share_template(plan.template_source)
                 self.plan = plan
                 self.report.record(plan)
+                # Fetch the next batch and start its agreement now: it completes while this step trains.
+                pending = self._fetch_and_agree(batches, step + 1)
                 yield batch if status.has_batch else first_samples(self.template, 0)
                 step += 1
         finally:
             self.plan = None
+
+    def _fetch_and_agree(self, batches: Iterator[Any], step: int):
+        batch, status, error = self._fetch(batches, step)
+        return batch, status, error, Agreement(step, status, self.to_device)
 
     def _fetch(self, batches: Iterator[Any], step: int) -> tuple[Any, RankStatus, Optional[BaseException]]:
         """This rank's next batch (None once exhausted), its status for the agreement, and any error."""

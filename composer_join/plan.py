@@ -1,12 +1,14 @@
 """The per-step agreement: which ranks still have data, and what every rank needs to know about it.
 
-Once per training step, before the batch is handed to Composer, every rank contributes one row
-(``RankStatus``) and receives everybody's rows in one small ``all_reduce`` (a ``world_size x 6``
-integer tensor). From the rows each rank derives the same :class:`StepPlan`, so every decision
-that follows (shadow or real, gradient factor, buffer source, microbatch syncing, stop or go) is
-taken identically everywhere without further communication.
+Once per training step every rank contributes one row (``RankStatus``) and receives everybody's
+rows in one small ``all_reduce`` (a ``world_size x 6`` integer tensor). From the rows each rank
+derives the same :class:`StepPlan`, so every decision that follows (shadow or real, gradient
+factor, buffer source, microbatch syncing, stop or go) is taken identically everywhere without
+further communication.
 
-Cost: one collective of ``48 * world_size`` bytes per step.
+Cost: one asynchronous collective of ``48 * world_size`` bytes per step; :class:`Agreement` starts
+it and waits only when the plan is needed, so the loader can start step ``t + 1``'s agreement
+while step ``t`` trains.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Callable, Optional
 import torch
 from composer.utils import dist
 
-__all__ = ['RankStatus', 'StepPlan', 'agree', 'agree_on_length']
+__all__ = ['Agreement', 'RankStatus', 'StepPlan', 'agree', 'agree_on_length']
 
 
 @dataclass(frozen=True)
@@ -87,20 +89,35 @@ class StepPlan:
         return None
 
 
-def agree(step: int, status: RankStatus, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> StepPlan:
-    """Exchange ``status`` with every rank (one collective) and return the common :class:`StepPlan`.
+class Agreement:
+    """One step's agreement, under way: built on every rank in the same order, then :meth:`plan` waits for it.
 
-    Every rank must call this once per step, in the same order: it is a collective.
+    Example::
+
+        pending = Agreement(step, RankStatus(has_batch=True, samples=8, microbatches=1))
+        ...  # other work; other collectives may be issued meanwhile, in the same order on every rank
+        plan = pending.plan()
     """
-    world_size, rank = dist.get_world_size(), dist.get_global_rank()
-    table = torch.zeros(world_size, 6, dtype=torch.int64)
-    table[rank] = torch.tensor(status.row(), dtype=torch.int64)
-    table = to_device(table)
-    dist.all_reduce(table, reduce_operation='SUM')
-    statuses = tuple(
-        RankStatus(bool(h), int(s), int(m), bool(t), bool(o), bool(f)) for h, s, m, t, o, f in table.cpu().tolist()
-    )
-    return StepPlan(step=step, statuses=statuses)
+
+    def __init__(self, step: int, status: RankStatus, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
+        self.step = step
+        table = torch.zeros(dist.get_world_size(), 6, dtype=torch.int64)
+        table[dist.get_global_rank()] = torch.tensor(status.row(), dtype=torch.int64)
+        self._table = to_device(table)
+        self._work = torch.distributed.all_reduce(self._table, op=torch.distributed.ReduceOp.SUM, async_op=True)
+
+    def plan(self) -> StepPlan:
+        """Wait for every rank's row and return the common plan."""
+        self._work.wait()
+        statuses = tuple(
+            RankStatus(bool(h), int(s), int(m), bool(t), bool(o), bool(f)) for h, s, m, t, o, f in self._table.cpu().tolist()
+        )
+        return StepPlan(step=self.step, statuses=statuses)
+
+
+def agree(step: int, status: RankStatus, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> StepPlan:
+    """Exchange ``status`` with every rank (one collective) and return the common :class:`StepPlan`."""
+    return Agreement(step, status, to_device).plan()
 
 
 def agree_on_length(

@@ -26,14 +26,15 @@ for sync in STRATEGIES:
 SCENARIOS['four_ranks_multi'] = dict(shards=[30, 17, 9, 0], batch_size=6, epochs=1, microbatch=4,
                                      sync='multi_auto_sync', join=DIVIDE)
 
-# Collective counting: step 0 even, step 1 uneven microbatch counts (8, 4, 4 samples), and with a
-# third shard of 8 samples, steps with a shadow batch.
+# Collective counting (the first step's window also holds the second step's agreement, which the
+# loader starts one step ahead): step 1 is even, step 2 has uneven microbatch counts (8, 4, 4
+# samples), or, with a third shard of 16 samples, a shadow batch.
 COUNTED: dict[str, dict] = {}
 for sync in STRATEGIES[:3]:
     common = dict(batch_size=8, epochs=1, microbatch=3, sync=sync, count_collectives=True)
-    COUNTED[f'count_uneven_{sync}'] = dict(common, shards=[16, 12, 12], join=DIVIDE)
-    COUNTED[f'count_shadow_{sync}'] = dict(common, shards=[16, 16, 8], join=DIVIDE)
-    COUNTED[f'count_stock_{sync}'] = dict(common, shards=[8, 8, 8], join=None)
+    COUNTED[f'count_uneven_{sync}'] = dict(common, shards=[24, 20, 20], join=DIVIDE)
+    COUNTED[f'count_shadow_{sync}'] = dict(common, shards=[24, 24, 16], join=DIVIDE)
+    COUNTED[f'count_stock_{sync}'] = dict(common, shards=[16, 16, 16], join=None)
 
 
 @pytest.fixture(scope='module')
@@ -70,10 +71,10 @@ def grad_syncs(c: dict[str, int]) -> int:
 
 @pytest.mark.parametrize('sync', STRATEGIES[:3])
 def test_collectives_per_step(runs, sync):
-    stock = counts(runs, f'count_stock_{sync}', 0)
-    even = counts(runs, f'count_uneven_{sync}', 0)
-    uneven = counts(runs, f'count_uneven_{sync}', 1)
-    shadow = counts(runs, f'count_shadow_{sync}', 1)
+    stock = counts(runs, f'count_stock_{sync}', 1)
+    even = counts(runs, f'count_uneven_{sync}', 1)
+    uneven = counts(runs, f'count_uneven_{sync}', 2)
+    shadow = counts(runs, f'count_shadow_{sync}', 2)
     # An even step is stock Composer's step plus the one small agreement all-reduce.
     assert even == {**stock, 'all_reduce': stock['all_reduce'] + 1}
     params = 4  # the MLP's parameter tensors, all in one DDP bucket

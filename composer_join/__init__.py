@@ -7,10 +7,11 @@ Switch it on with one algorithm::
 """
 
 from composer_join.algorithm import UnevenJoin, is_shadow_step
+from composer_join.collectives import CollectiveCounter
 from composer_join.errors import UnevenInputsError
 from composer_join.report import EpochReport
 from composer_join.sampler import ExactDistributedSampler
 
-__all__ = ['EpochReport', 'ExactDistributedSampler', 'UnevenInputsError', 'UnevenJoin', 'is_shadow_step']
+__all__ = ['CollectiveCounter', 'EpochReport', 'ExactDistributedSampler', 'UnevenInputsError', 'UnevenJoin', 'is_shadow_step']
 
 __version__ = '0.1.0'

@@ -48,12 +48,12 @@ __all__ = ['UnevenJoin', 'is_shadow_step']
 
 log = logging.getLogger(__name__)
 
-_STARTS = (Event.FIT_START, Event.EVAL_START)
-_EVENTS = _STARTS + (
+_STARTS = frozenset((Event.FIT_START, Event.EVAL_START))
+_EVENTS = _STARTS | frozenset((
     Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_LOSS, Event.AFTER_BACKWARD,
     Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
     Event.EVAL_BATCH_END, Event.EVAL_END,
-)
+))  # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
 
 
 class UnevenJoin(Algorithm):
@@ -115,6 +115,11 @@ class UnevenJoin(Algorithm):
         self.enable = enable
         self.throw_on_early_termination = throw_on_early_termination
         self.reports: list[EpochReport] = []  # one per finished training epoch, the same on every rank
+        self._repr = (
+            f'UnevenJoin(divide_by_initial_world_size={divide_by_initial_world_size}, '
+            f'enable={enable}, throw_on_early_termination={throw_on_early_termination})'
+        )  # Composer formats the algorithm into a trace key at every event it runs
+        self._rank = 0
         self._active: Optional[bool] = None  # decided at the first FIT_START or EVAL_START
         self._loader: Optional[JoinLoader] = None  # the loader whose plan is current (train or eval)
         self._train_loader: Optional[JoinLoader] = None
@@ -127,10 +132,7 @@ class UnevenJoin(Algorithm):
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
 
     def __repr__(self) -> str:
-        return (
-            f'UnevenJoin(divide_by_initial_world_size={self.divide_by_initial_world_size}, '
-            f'enable={self.enable}, throw_on_early_termination={self.throw_on_early_termination})'
-        )
+        return self._repr
 
     @property
     def plan(self) -> Optional[StepPlan]:
@@ -141,7 +143,7 @@ class UnevenJoin(Algorithm):
     def is_shadow_step(self) -> bool:
         """True while this rank runs a shadow step (it has run out of data, others have not)."""
         plan = self.plan
-        return plan is not None and not plan.has_batch(dist.get_global_rank())
+        return plan is not None and not plan.has_batch(self._rank)
 
     def match(self, event: Event, state: State) -> bool:
         return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
@@ -158,7 +160,7 @@ class UnevenJoin(Algorithm):
             self._source.update(self.plan)
         elif event == Event.BEFORE_FORWARD:
             if isinstance(state.model, DistributedDataParallel):
-                self._sync.before_forward(state.model, self.plan, dist.get_global_rank(), self._loader.count(state.batch))
+                self._sync.before_forward(state.model, self.plan, self._rank, self._loader.count(state.batch))
             self._shadow_input(state)
         elif event == Event.AFTER_LOSS:
             factor = 0.0 if self.is_shadow_step else self.plan.grad_factor(self.divide_by_initial_world_size)
@@ -185,6 +187,7 @@ class UnevenJoin(Algorithm):
         if self._active is None:
             why = 'enable=False' if not self.enable else 'world size is 1' if dist.get_world_size() == 1 else None
             self._active = why is None
+            self._rank = dist.get_global_rank()
             if why is not None:
                 log.info('UnevenJoin is inactive (%s): Composer runs exactly as without it.', why)
             else:
@@ -251,7 +254,7 @@ class UnevenJoin(Algorithm):
         report = self._train_loader.report
         self.reports.append(report)
         logger.log_metrics(report.metrics())
-        if dist.get_global_rank() == 0:
+        if self._rank == 0:
             log.info('UnevenJoin %s', report.summary())
 
 

@@ -23,6 +23,7 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
+from composer_join.collectives import CollectiveCounter
 from composer_join.sampler import ExactDistributedSampler
 from composer.core import Algorithm, DataSpec, Evaluator
 from toy import CLASSES, lm_batch, lm_shard, lm_token_losses, lm_tokens, logits, make_batch, make_lm, make_module, shard, unpack
@@ -184,59 +185,6 @@ class LogLines(logging.Handler):
 
     def emit(self, record):
         self.lines.append(record.getMessage())
-
-
-class CollectiveCounter(Callback):
-    """Counts, per training step on this rank, the collectives issued, by kind.
-
-    Python-level ``torch.distributed`` calls are counted by wrapping them; DDP's gradient bucket
-    all-reduces (issued from C++) by a DDP communication hook that does what DDP's default does.
-    A step's window runs from the previous step's ``BATCH_END`` (or the epoch start) to its own
-    ``BATCH_END``, so it includes the dataloader fetch.
-    """
-
-    KINDS = ('all_reduce', 'broadcast', 'all_gather', 'all_gather_into_tensor', 'broadcast_object_list',
-             'all_gather_object', 'barrier', '_broadcast_coalesced')
-
-    def __init__(self):
-        self.total: dict[str, int] = {}
-        self.steps: list[dict[str, int]] = []
-        self._mark: dict[str, int] = {}
-        self._originals = {}
-
-    def _wrap(self, kind):
-        original = getattr(torch.distributed, kind)
-        self._originals[kind] = original
-
-        def counted(*args, **kwargs):
-            self.total[kind] = self.total.get(kind, 0) + 1
-            return original(*args, **kwargs)
-
-        setattr(torch.distributed, kind, counted)
-
-    def fit_start(self, state, logger):
-        for kind in self.KINDS:
-            self._wrap(kind)
-        all_reduce, world = self._originals['all_reduce'], torch.distributed.get_world_size()
-
-        def grad_bucket_hook(_, bucket):
-            self.total['ddp_grad_bucket'] = self.total.get('ddp_grad_bucket', 0) + 1
-            work = all_reduce(bucket.buffer().div_(world), async_op=True)
-            return work.get_future().then(lambda fut: fut.value()[0])
-
-        if isinstance(state.model, DistributedDataParallel):
-            state.model.register_comm_hook(None, grad_bucket_hook)
-
-    def epoch_start(self, state, logger):
-        self._mark = dict(self.total)
-
-    def batch_end(self, state, logger):
-        self.steps.append({k: v - self._mark.get(k, 0) for k, v in self.total.items() if v != self._mark.get(k, 0)})
-        self._mark = dict(self.total)
-
-    def fit_end(self, state, logger):
-        for kind, original in self._originals.items():
-            setattr(torch.distributed, kind, original)
 
 
 def make_loader(cfg: dict, rank: int):

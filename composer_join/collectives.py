@@ -1,0 +1,77 @@
+"""Counting collectives per training step: the diagnostic behind the README's collective tables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from composer import Callback
+from torch.nn.parallel import DistributedDataParallel
+
+from composer_join.algorithm import is_shadow_step
+
+__all__ = ['CollectiveCounter']
+
+
+class CollectiveCounter(Callback):
+    """Counts, per training step on this rank, the collectives issued, by kind.
+
+    A diagnostic: every rank must issue the same collectives in every step, or the run hangs.
+    Python-level ``torch.distributed`` calls are counted by wrapping them for the duration of the
+    fit; DDP's gradient bucket all-reduces (issued from C++) by a DDP communication hook that does
+    what DDP's default does. A step's window runs from the previous step's ``BATCH_END`` (or the
+    epoch start) to its own ``BATCH_END``, so it includes the dataloader fetch. Cost: a dict update
+    per collective; it replaces any DDP communication hook.
+
+    Example::
+
+        counter = CollectiveCounter()
+        trainer = Trainer(..., callbacks=[counter], algorithms=[UnevenJoin()])
+        trainer.fit()
+        counter.steps[3]  # e.g. {'all_reduce': 5, 'broadcast': 1, 'ddp_grad_bucket': 1}
+    """
+
+    KINDS = ('all_reduce', 'broadcast', 'all_gather', 'all_gather_into_tensor', 'broadcast_object_list',
+             'all_gather_object', 'barrier', '_broadcast_coalesced')
+
+    def __init__(self):
+        self.total: dict[str, int] = {}
+        self.steps: list[dict[str, int]] = []
+        self.shadow: list[bool] = []
+        self._mark: dict[str, int] = {}
+        self._originals: dict[str, Any] = {}
+
+    def _wrap(self, kind):
+        original = getattr(torch.distributed, kind)
+        self._originals[kind] = original
+
+        def counted(*args, **kwargs):
+            self.total[kind] = self.total.get(kind, 0) + 1
+            return original(*args, **kwargs)
+
+        setattr(torch.distributed, kind, counted)
+
+    def fit_start(self, state, logger):
+        for kind in self.KINDS:
+            self._wrap(kind)
+        all_reduce, world = self._originals['all_reduce'], torch.distributed.get_world_size()
+
+        def grad_bucket_hook(_, bucket):
+            self.total['ddp_grad_bucket'] = self.total.get('ddp_grad_bucket', 0) + 1
+            work = all_reduce(bucket.buffer().div_(world), async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
+
+        if isinstance(state.model, DistributedDataParallel):
+            state.model.register_comm_hook(None, grad_bucket_hook)
+
+    def epoch_start(self, state, logger):
+        self._mark = dict(self.total)
+
+    def batch_end(self, state, logger):
+        self.steps.append({k: v - self._mark.get(k, 0) for k, v in self.total.items() if v != self._mark.get(k, 0)})
+        self.shadow.append(is_shadow_step(state))
+        self._mark = dict(self.total)
+
+    def fit_end(self, state, logger):
+        for kind, original in self._originals.items():
+            setattr(torch.distributed, kind, original)

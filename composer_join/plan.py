@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 from composer.utils import dist
 
-__all__ = ['Agreement', 'RankStatus', 'StepPlan', 'agree', 'agree_on_length']
+__all__ = ['Agreement', 'RankStatus', 'StepPlan', 'agree_on_length']
 
 
 @dataclass(frozen=True)
@@ -113,11 +113,6 @@ class Agreement:
             RankStatus(bool(h), int(s), int(m), bool(t), bool(o), bool(f)) for h, s, m, t, o, f in self._table.cpu().tolist()
         )
         return StepPlan(step=self.step, statuses=statuses)
-
-
-def agree(step: int, status: RankStatus, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> StepPlan:
-    """Exchange ``status`` with every rank (one collective) and return the common :class:`StepPlan`."""
-    return Agreement(step, status, to_device).plan()
 
 
 def agree_on_length(

@@ -101,10 +101,7 @@ class Agreement:
 
     def __init__(self, step: int, status: RankStatus, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
         self.step = step
-        table = torch.zeros(dist.get_world_size(), 6, dtype=torch.int64)
-        table[dist.get_global_rank()] = torch.tensor(status.row(), dtype=torch.int64)
-        self._table = to_device(table)
-        self._work = torch.distributed.all_reduce(self._table, op=torch.distributed.ReduceOp.SUM, async_op=True)
+        self._table, self._work = _exchange_rows(status.row(), to_device)
 
     def plan(self) -> StepPlan:
         """Wait for every rank's row and return the common plan."""
@@ -131,12 +128,22 @@ def agree_on_length(
         whether the shared length is the full longest ``len()`` (so batches past it would be lost),
         and every rank's own length.
     """
-    world_size, rank = dist.get_world_size(), dist.get_global_rank()
-    table = torch.full((world_size, 2), -1, dtype=torch.int64)
-    table[rank] = torch.tensor([-1 if own_len is None else own_len, -1 if current_len is None else current_len])
-    table = to_device(table)
-    dist.all_reduce(table, reduce_operation='MAX')
+    table, work = _exchange_rows([-1 if own_len is None else own_len, -1 if current_len is None else current_len],
+                                 to_device)
+    work.wait()
     own_lens, cur_lens = ([int(v) for v in column] for column in table.cpu().T)
     shared = max(cur_lens) if min(cur_lens) >= 0 else None
     check_overflow = shared is not None and own_lens == cur_lens
     return shared, check_overflow, [None if n < 0 else n for n in own_lens]
+
+
+def _exchange_rows(row: list[int], to_device: Callable[[torch.Tensor], torch.Tensor]):
+    """Start an all-reduce that gives every rank a ``world_size x len(row)`` table of all ranks' rows.
+
+    Each rank fills only its own row of a zero table, so the sum is every rank's row in place.
+    Returns the table (valid once the work is waited for) and the work.
+    """
+    table = torch.zeros(dist.get_world_size(), len(row), dtype=torch.int64)
+    table[dist.get_global_rank()] = torch.tensor(row, dtype=torch.int64)
+    table = to_device(table)
+    return table, torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.SUM, async_op=True)

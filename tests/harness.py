@@ -3,7 +3,8 @@
 ``launch(world_size, calls)`` starts ``world_size`` Python processes with the environment Composer's
 launcher would give them, initialises one process group (gloo) in each, and runs every call of
 ``calls`` in order on every rank, so that many trainer runs share one process group. Each call is
-``(name, function_name, kwargs)`` with the function in ``tests/rank_scenarios.py``; its return value
+``(name, function_name, kwargs)`` with the function in ``tests/rank_scenarios.py`` (or
+``'module:function'`` for a function in another module of ``tests/``); its return value
 (or the exception it raised) is sent back per rank.
 
 Hangs fail fast: every collective times out after ``collective_timeout`` seconds, and the whole

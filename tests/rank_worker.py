@@ -1,5 +1,6 @@
 """One rank of a :func:`harness.launch`: run the calls in order, save the results. Not a test module."""
 
+import importlib
 import logging
 import pickle
 import sys
@@ -16,6 +17,12 @@ from harness import RankError  # noqa: E402
 from composer.utils import dist  # noqa: E402
 
 
+def _resolve(function: str):
+    """``'name'`` in ``rank_scenarios``, or ``'module:name'`` in another module of ``tests/``."""
+    module, _, name = function.rpartition(':')
+    return getattr(importlib.import_module(module) if module else rank_scenarios, name)
+
+
 def main(spec_path: str, out_prefix: str) -> None:
     warnings.filterwarnings('ignore')
     logging.basicConfig(level=logging.WARNING)
@@ -26,7 +33,7 @@ def main(spec_path: str, out_prefix: str) -> None:
     for name, function, kwargs in spec['calls']:
         Path(out_prefix + '.running').write_text(name)
         try:
-            results[name] = getattr(rank_scenarios, function)(**kwargs)
+            results[name] = _resolve(function)(**kwargs)
         except Exception as e:  # recorded: the test decides whether it was expected
             traceback.print_exc()
             results[name] = RankError(type(e).__name__, str(e))

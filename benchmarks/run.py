@@ -146,11 +146,12 @@ def calls(s: Setup, profile: bool) -> list[tuple[str, str, dict]]:
             if case != '1:1':
                 out.append((f'uneven|{case}|{NO_DIVIDE}|0', *method_call(NO_DIVIDE, case_sizes(case, s.world, longest))))
         for sync in SYNCS:
-            # stock: 3 real steps everywhere; UnevenJoin: the last rank runs out after 2 of 4 steps.
+            # stock: 3 real steps everywhere; UnevenJoin: the last rank runs out after 4 of 6 steps (steps 0-2
+            # are planned from the lengths, 3 is its last batch, 4 and 5 are shadow steps for it).
             common = {'sync': sync, 'microbatch': COUNT_MICROBATCH}
             out.append((f'count|{sync}|stock', 'count_collectives', {'sizes': [3 * BATCH] * s.world, 'join': False, **common}))
             out.append((f'count|{sync}|UnevenJoin', 'count_collectives',
-                        {'sizes': [4 * BATCH] * (s.world - 1) + [2 * BATCH], 'join': True, **common}))
+                        {'sizes': [6 * BATCH] * (s.world - 1) + [4 * BATCH], 'join': True, **common}))
     out.append(('events', 'event_costs', {'sizes': even}))
     out.append(('events|stock', 'event_costs', {'sizes': even, 'join': False}))
     out.append(('latency', 'collective_latency', {}))
@@ -244,14 +245,16 @@ def analyse_uneven(res: dict, s: Setup) -> list[dict[str, Any]]:
 
 
 def analyse_counts(res: dict) -> list[dict[str, Any]]:
-    """Collectives of one step, by kind, for: stock (step 1); UnevenJoin with all ranks real (step 1);
-    UnevenJoin with the last rank shadowing (its first shadow step). Step 0 is skipped (DDP's first
-    step rebuilds its buckets). ``agree``: every rank counted the same."""
+    """Collectives of one step, by kind, for: stock (step 1); UnevenJoin on a step before any rank's
+    last batch (step 1, planned from the lengths); UnevenJoin at the last rank's last batch (the step
+    before its first shadow step); UnevenJoin with the last rank shadowing (its first shadow step).
+    Step 0 is skipped (DDP's first step rebuilds its buckets). ``agree``: every rank counted the same."""
     rows = []
     for sync in SYNCS:
         stock, join = res[f'count|{sync}|stock'], res[f'count|{sync}|UnevenJoin']
         shadow_step = join[-1]['shadow'].index(True)
-        for label, per_rank, step in (('stock', stock, 1), ('real', join, 1), ('shadow', join, shadow_step)):
+        for label, per_rank, step in (('stock', stock, 1), ('real', join, 1), ('last', join, shadow_step - 1),
+                                      ('shadow', join, shadow_step)):
             counts = [r['steps'][step] for r in per_rank]
             rows.append({'sync': sync, 'label': label, 'counts': counts[0], 'agree': all(c == counts[0] for c in counts)})
     return rows
@@ -324,12 +327,16 @@ def markdown(info: dict, overheads: list, uneven: list, counts: list, events: di
         add(f'Collectives per step at 2 ranks, microbatch size {COUNT_MICROBATCH} (a real step is 2 microbatches, a '
             'shadow step 1). `all_reduce`: Python-level `torch.distributed.all_reduce` calls (Composer\'s and '
             'UnevenJoin\'s); DDP grad bucket: DDP\'s gradient all-reduces (2 buckets per sync for this model); buffer '
-            'broadcast: DDP\'s BatchNorm-buffer broadcast; broadcast: Composer\'s.\n')
-        add('| sync strategy | stock | UnevenJoin, all ranks real | UnevenJoin, last rank shadowing | same on all ranks |')
-        add('|---|---|---|---|---|')
+            'broadcast: DDP\'s BatchNorm-buffer broadcast; broadcast: Composer\'s. A step\'s window runs from the '
+            'previous `BATCH_END` to its own, so it also holds the next step\'s agreement, which starts a step ahead; '
+            'the first agreed step (the last rank\'s last batch) starts its own. UnevenJoin\'s fit: 6 steps, the '
+            'last rank has 4 batches, so 3 steps are agreed in all.\n')
+        add('| sync strategy | stock | UnevenJoin, before any rank\'s last batch | UnevenJoin, last rank\'s last batch '
+            '| UnevenJoin, last rank shadowing | same on all ranks |')
+        add('|---|---|---|---|---|---|')
         for sync in SYNCS:
             rows = {r['label']: r for r in counts if r['sync'] == sync}
-            add(f'| {sync} | ' + ' | '.join(fmt_counts(rows[k]['counts']) for k in ('stock', 'real', 'shadow'))
+            add(f'| {sync} | ' + ' | '.join(fmt_counts(rows[k]['counts']) for k in ('stock', 'real', 'last', 'shadow'))
                 + f' | {mark(all(r["agree"] for r in rows.values()))} |')
         add('')
 
@@ -566,13 +573,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                              'directory with --quick)')
     parser.add_argument('--wait-quiet', type=float, default=0, metavar='SECONDS',
                         help='first wait up to SECONDS for the 1-minute load average to drop below 0.7')
+    parser.add_argument('--max-ranks', type=int, default=None, metavar='N',
+                        help='only world sizes up to N (make bench-gpu: the number of GPUs, one per rank)')
     parser.add_argument('--profile', action='store_true', help='also cProfile a stock and an UnevenJoin fit (profile.txt)')
     parser.add_argument('--save-raw', type=Path, default=None, metavar='FILE',
                         help='also pickle every rank\'s raw results (per-step times etc.) to FILE')
     args = parser.parse_args(argv)
     out = args.out or (Path(tempfile.mkdtemp(prefix='composer-join-bench-')) if args.quick else HERE)
     out.mkdir(parents=True, exist_ok=True)
-    setups = QUICK if args.quick else FULL
+    setups = tuple(s for s in (QUICK if args.quick else FULL) if args.max_ranks is None or s.world <= args.max_ranks)
 
     if args.wait_quiet:
         wait_for_quiet(args.wait_quiet)

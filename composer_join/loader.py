@@ -166,8 +166,9 @@ class JoinLoader:
         """
         batch, status, error = self._fetch(batches, step)
         if step < planned:
-            if status.has_batch:
-                self._unreported = -1 if min(self._unreported, status.samples) < 0 else self._unreported + status.samples
+            if status.has_batch:  # sent with the first agreement (-1 once some batch could not be counted)
+                uncountable = min(self._unreported, status.samples) < 0
+                self._unreported = -1 if uncountable else self._unreported + status.samples
             return batch, status, error, None
         status, self._unreported = dataclasses.replace(status, unreported_samples=self._unreported), 0
         return batch, status, error, Agreement(step, status, self.to_device) if step > planned else None
@@ -190,8 +191,8 @@ class JoinLoader:
         ranks = [r for r, step in enumerate(failed) if step is not None]
         steps = sorted({step for step in failed if step is not None})
         raise UnevenInputsError(
-            f'rank(s) {ranks} could not form batch {", ".join(map(str, steps))} of epoch {self.epoch} (their dataloader '
-            f'raised, or ended before its len()); every rank stops here, the failing rank raises the cause',
+            f'rank(s) {ranks} could not form batch {", ".join(map(str, steps))} of epoch {self.epoch} (their '
+            f'dataloader raised, or ended before its len()); every rank stops here, the failing rank raises the cause',
         )
 
     def _ended_before_len(self, step: int) -> UnevenInputsError:

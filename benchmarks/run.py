@@ -19,10 +19,10 @@ momentum. Step time = ``time.perf_counter`` delta between consecutive ``BATCH_EN
 first ``WARMUP_STEPS`` steps of every fit are not timed.
 
 1. **Overhead on even inputs.** Fits on equal shards in rounds, one fit per mode, order rotating
-   from round to round: stock Composer; UnevenJoin with its per-step agreement all-reduce faked
+   from round to round: stock Composer; UnevenJoin with its agreement all-reduces faked
    (a local copy of this rank's row, which is what the sum gives on even shards: an ablation,
    everything of UnevenJoin but that collective); and UnevenJoin. Reported: median step time on
-   rank 0 over all rounds, the ratios to stock (goal for UnevenJoin: <= 1.02), the median and
+   rank 0 over all rounds, the ratios to stock (goal for UnevenJoin: <= 1.01), the median and
    range of per-round ratios, and CPU time per step of the main thread and of the whole process.
    At 2 ranks also: collectives per step for each DDP sync strategy, stock and UnevenJoin
    (counted as in ``tests/rank_scenarios.py``).
@@ -301,10 +301,11 @@ def markdown(info: dict, overheads: list, uneven: list, counts: list, events: di
 
     add('## 1. Overhead on even inputs\n')
     add(f'Fits on equal shards in rounds, one fit of each mode per round, order rotating: **stock** Composer; '
-        f'**{FAKED}**: UnevenJoin with its per-step agreement all-reduce replaced by a local copy of this rank\'s '
-        f'row (exact on even shards, where every rank\'s row is the same): all of UnevenJoin except that collective; '
+        f'**{FAKED}**: UnevenJoin with its agreement all-reduces (on even shards only the last step\'s) replaced '
+        f'by a local copy of this rank\'s row (exact on even shards, where every rank\'s row is the same): all of '
+        f'UnevenJoin except that collective; '
         f'**UnevenJoin**. Median step time on rank 0 over all rounds; ratio to stock; median and range of the '
-        f'per-round ratios. Goal: UnevenJoin / stock <= 1.02.\n')
+        f'per-round ratios. Goal: UnevenJoin / stock <= 1.01.\n')
     add(f'| ranks | steps timed (each) | stock ms/step | {FAKED} | UnevenJoin | **UnevenJoin / stock** | '
         f'per round: median (range) | goal met | {FAKED} / stock |')
     add('|---|---|---|---|---|---|---|---|---|')
@@ -313,7 +314,7 @@ def markdown(info: dict, overheads: list, uneven: list, counts: list, events: di
         faked = (ms(o[FAKED]['wall']), f'{o[FAKED]["ratio"]:.3f}') if FAKED in o else ('not run', 'not run')
         add(f'| {o["world"]} | {o["stock"]["steps"]} | {ms(o["stock"]["wall"])} | {faked[0]} | {ms(j["wall"])} | '
             f'**{j["ratio"]:.3f}** | {j["round_median"]:.3f} ({j["round_min"]:.3f}-{j["round_max"]:.3f}) | '
-            f'{mark(j["ratio"] <= 1.02)} | {faked[1]} |')
+            f'{mark(j["ratio"] <= 1.01)} | {faked[1]} |')
     add('')
     add('CPU time per step (median, rank 0): main thread (`thread_time`) / whole process (`process_time`, which '
         'includes gloo\'s and DDP\'s threads), ms.\n')
@@ -451,7 +452,7 @@ def write_chart(path: Path, overheads: list, uneven: list) -> None:
         values += ys
         ax.bar([x + (i - (len(shown) - 1) / 2) * width for x in xs], ys, width, color=color, label=mode)
     ax.axhline(1.0, color='black', lw=0.8)
-    ax.axhline(1.02, color='red', ls='--', label='goal 1.02')
+    ax.axhline(1.01, color='red', ls='--', label='goal 1.01')
     ax.set_xticks(range(len(overheads)), [f'{o["world"]} ranks' for o in overheads])
     ax.set_ylim(min(0.95, min(values) - 0.02), max(1.05, max(values) + 0.02))
     ax.set(title='Even inputs: median step time / stock', ylabel='ratio')

@@ -185,7 +185,7 @@ class StepTimer(Callback):
 
 
 class AgreementTap:
-    """Finds UnevenJoin's per-step agreement among ``torch.distributed.all_reduce`` calls, to time or fake it.
+    """Finds UnevenJoin's agreements among ``torch.distributed.all_reduce`` calls, to time or fake it.
 
     The agreement is recognised by its tensor alone (int64, shape ``world x 7``), so this does not
     depend on how UnevenJoin's Python is organised (synchronous or overlapped). Use as a context
@@ -288,7 +288,7 @@ def composer_fit(sizes: list[int], join: bool, pad: bool = False, divide: bool =
     """One Composer fit of one epoch on this rank's shard (``sizes[rank]`` samples).
 
     ``join``: with ``UnevenJoin(divide_by_initial_world_size=divide)``; ``fake_agreement``: with
-    UnevenJoin, its per-step agreement computed locally instead of communicated (an ablation, even
+    UnevenJoin, its agreements computed locally instead of communicated (an ablation, even
     shards only, see :class:`AgreementTap`); ``pad``: the padding baseline's shards (see
     :func:`shard`); ``evaluate``: compute the held-out loss (``nan`` if not).
 

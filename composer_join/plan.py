@@ -1,4 +1,4 @@
-"""The per-step agreement: which ranks still have data, and what every rank needs to know about it.
+"""The agreement on a step: which ranks still have data, and what every rank needs to know about it.
 
 On a step that needs it, every rank contributes one row (``RankStatus``) and receives everybody's
 rows in one small ``all_reduce`` (a ``world_size x 7`` integer tensor). From the rows each rank

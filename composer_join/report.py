@@ -11,7 +11,7 @@ __all__ = ['EpochReport']
 
 @dataclass
 class EpochReport:
-    """Counts for one epoch, the same on every rank (they come from the per-step agreement).
+    """Counts for one epoch, the same on every rank (from the agreements, and the lengths for planned steps).
 
     Attributes:
         epoch: the epoch's index.

@@ -1,8 +1,13 @@
-"""Rank-side scenarios for tests/test_collective_cost.py: batches of varying sizes. Not a test module."""
+"""Rank-side scenarios for tests/test_collective_cost.py: batches of varying sizes, a failing eval dataloader.
+
+Not a test module.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+from torch.utils.data import DataLoader
 
 import rank_scenarios
 from toy import shard
@@ -35,3 +40,22 @@ def train_batch_plan(cfg: dict) -> dict[str, Any]:
     finally:
         rank_scenarios.make_loader = original
 
+
+
+def train_failing_eval(cfg: dict) -> dict[str, Any]:
+    """``rank_scenarios.train`` whose rank ``cfg['eval_fails_on']`` has an eval dataloader that raises at sample
+    ``cfg['eval_fail_at']``."""
+    original = rank_scenarios.make_eval_loader
+
+    def failing(cfg: dict, rank: int):
+        loader = original(cfg, rank)
+        if rank != cfg['eval_fails_on']:
+            return loader
+        dataset = rank_scenarios.Misbehaving(loader.dataset.x, loader.dataset.y, fail_at=cfg['eval_fail_at'])
+        return DataLoader(dataset, batch_size=loader.batch_size)
+
+    rank_scenarios.make_eval_loader = failing
+    try:
+        return rank_scenarios.train(cfg)
+    finally:
+        rank_scenarios.make_eval_loader = original

@@ -45,14 +45,20 @@ FAILING = {
     'fails_at_step_1': dict(shards=[40, 40], batch_size=8, epochs=1, join=DIVIDE, fail_at={1: 12}),
     'fails_at_step_3': dict(shards=[40, 40], batch_size=8, epochs=1, join=DIVIDE, fail_at={0: 26}),
     'len_overstates': dict(shards=[40, 24], batch_size=8, epochs=1, join=DIVIDE, claimed_len={1: 40}),
-    'after_failure': dict(shards=[16, 16], batch_size=8, epochs=1, join=DIVIDE),  # the process group still works
 }
+FAILING_EVAL = {  # 5 eval batches per rank: batches 0 to 3 planned; rank 1 fails at batch 1 of the evaluation
+    'eval_fails_at_step_1': dict(shards=[16, 16], batch_size=8, epochs=1, join=DIVIDE, eval_shards=[20, 20],
+                                 eval_fails_on=1, eval_fail_at=6),
+}
+AFTER = {'after_failure': dict(shards=[16, 16], batch_size=8, epochs=1, join=DIVIDE)}  # the process group still works
 
 
 @pytest.fixture(scope='module')
 def runs() -> dict:
     calls = [(name, 'train', {'cfg': cfg}) for name, cfg in {**COUNTED, **FAILING}.items()]
     calls += [(name, 'scenarios_cost:train_batch_plan', {'cfg': cfg}) for name, cfg in VARIED.items()]
+    calls += [(name, 'scenarios_cost:train_failing_eval', {'cfg': cfg}) for name, cfg in FAILING_EVAL.items()]
+    calls += [(name, 'train', {'cfg': cfg}) for name, cfg in AFTER.items()]
     return launch(2, calls, timeout=420)
 
 
@@ -148,13 +154,14 @@ def test_microbatch_counts_that_differ_on_every_step(runs, name):
     ('fails_at_step_1', 1, 1, ('RuntimeError', 'disk read error at sample 12')),
     ('fails_at_step_3', 0, 3, ('RuntimeError', 'disk read error at sample 26')),
     ('len_overstates', 1, 3, ('UnevenInputsError', 'rank 1 ended after 3 batches, but its len() is 5')),
+    ('eval_fails_at_step_1', 1, 1, ('RuntimeError', 'disk read error at sample 6')),
 ])
 def test_a_rank_that_cannot_form_a_planned_batch_stops_every_rank(runs, name, rank, step, cause):
     per_rank = runs[name]
     assert all(isinstance(res, RankError) for res in per_rank), f'{name}: some rank did not stop: {per_rank}'
     assert (per_rank[rank].type, cause[1] in per_rank[rank].message) == (cause[0], True), per_rank[rank]
     other = per_rank[1 - rank]
-    assert other.type == 'UnevenInputsError' and f'rank(s) [{rank}] could not form batch {step} of epoch 0' \
+    assert other.type == 'UnevenInputsError' and f'rank(s) [{rank}] could not form batch {step} of epoch ' \
         in other.message, other
     for res in ok(runs, 'after_failure'):
         assert res['timestamp']['sample'] == 32

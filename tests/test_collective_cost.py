@@ -165,3 +165,22 @@ def test_a_rank_that_cannot_form_a_planned_batch_stops_every_rank(runs, name, ra
         in other.message, other
     for res in ok(runs, 'after_failure'):
         assert res['timestamp']['sample'] == 32
+
+
+def test_planned_steps_and_the_report_they_feed():
+    from composer_join.plan import RankStatus, StepPlan, plan_from_lengths, steps_planned_from_lengths
+    from composer_join.report import EpochReport
+
+    assert steps_planned_from_lengths([5, 3, 4], 5) == 2  # the shortest rank's last batch is step 2
+    assert steps_planned_from_lengths([5, 3, 4], 2) == 1  # the trainer asked for 2 batches only
+    assert steps_planned_from_lengths([5, 0], 5) == 0 and steps_planned_from_lengths([5, None], None) == 0
+    plan = plan_from_lengths(0, 1, RankStatus(True, 8, 3), 3)
+    assert plan.active_ranks == [0, 1, 2] and not plan.joined_ranks and not plan.even_microbatches
+    assert plan.grad_factor(True) == 1.0 and plan.template_source is None and plan.statuses[1].samples == 8
+    report = EpochReport(epoch=0, world_size=2)
+    report.record(plan_from_lengths(0, 0, RankStatus(True, 8, 1), 2))  # every rank records the same
+    unreported = (RankStatus(True, 5, 1, unreported_samples=8), RankStatus(True, 8, 1, unreported_samples=7))
+    report.record(StepPlan(1, unreported))  # the first agreed step brings every rank's planned samples
+    report.record(StepPlan(2, (RankStatus(False, 0, 1), RankStatus(True, 2, 1))))
+    assert (report.real_batches, report.real_samples, report.shadow_steps) == ([2, 3], [13, 17], [1, 0])
+    assert report.batch_sizes == [[-1, 5], [-1, 8, 2]] and report.stock_dropped_samples == 2

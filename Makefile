@@ -32,7 +32,7 @@ bench-gpu: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test,examples,bench]'
+	$(VENV)/bin/pip install --quiet -e '.[test,examples,bench,llmfoundry]'
 	touch $(STAMP)
 
 clean:

@@ -219,7 +219,13 @@ class UnevenJoin(Algorithm):
     # -- per microbatch ----------------------------------------------------------------------------
 
     def _shadow_input(self, state: State) -> None:
-        """Shadow: feed the forward two real samples instead of the empty batch; real: keep two."""
+        """Shadow: feed the forward two real samples instead of the empty batch; real: keep two.
+
+        A model may take apart the batch it is given (``HuggingFaceModel.eval_forward`` pops
+        ``labels`` and shifts them in place), so no batch object goes to the model twice: the
+        template is a copy taken before the forward, and every shadow microbatch gets a fresh copy
+        of it (two samples, a few small tensor copies).
+        """
         label = state.dataloader_label
         if not self.is_shadow_step:
             if label not in self._templates:
@@ -227,7 +233,7 @@ class UnevenJoin(Algorithm):
             return
         if label not in self._templates:  # never had data of its own: the template other ranks sent
             self._templates[label] = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
-        state.batch = self._templates[label]
+        state.batch = first_samples(self._templates[label], TEMPLATE_SAMPLES)
         if self._guard is not None and state.model.training:
             self._guard.armed = True
 

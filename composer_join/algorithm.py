@@ -43,6 +43,7 @@ from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.plan import StepPlan
 from composer_join.report import EpochReport
+from composer_join.resume import own_sample_counts, restore, snapshot, train_position
 
 __all__ = ['UnevenJoin', 'is_shadow_step']
 
@@ -130,6 +131,7 @@ class UnevenJoin(Algorithm):
         self._hooked: Optional[DistributedDataParallel] = None
         self._sync = MicrobatchSync()
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
+        self._resumed_report: Optional[EpochReport] = None  # the checkpoint's partial epoch, until FIT_START
 
     def __repr__(self) -> str:
         return self._repr
@@ -144,6 +146,15 @@ class UnevenJoin(Algorithm):
         """True while this rank runs a shadow step (it has run out of data, others have not)."""
         plan = self.plan
         return plan is not None and not plan.has_batch(self._rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in Composer checkpoints: the epoch reports (the current one partial) and the buffer source rank."""
+        current = self._train_loader.report if self._train_loader is not None else self._resumed_report
+        return {**super().state_dict(), **snapshot(self.reports, current, self._source.rank)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Called by Composer when it loads a checkpoint (``load_path``, ``autoresume``), before ``fit``."""
+        self.reports, self._resumed_report, self._source.rank = restore(state)
 
     def match(self, event: Event, state: State) -> bool:
         return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
@@ -197,7 +208,13 @@ class UnevenJoin(Algorithm):
         return self._active
 
     def _fit_start(self, state: State) -> None:
-        self._train_loader = self._loader = join_dataloader(state, self._train_loader, self.throw_on_early_termination)
+        self._train_loader = self._loader = loader = join_dataloader(state, self._train_loader,
+                                                                    self.throw_on_early_termination)
+        loader.position = lambda: train_position(state)
+        if self._resumed_report is not None:
+            loader.report, self._resumed_report = self._resumed_report, None
+        # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader.
+        own_sample_counts(state._dataset_of(state.train_dataloader), lambda: loader.report.real_samples[self._rank])
         if isinstance(state.model, DistributedDataParallel) and state.model is not self._hooked:
             broadcast_buffers_from(state.model, lambda: self._source.rank)
             self._guard = BufferGuard(state.model.module)

@@ -82,6 +82,9 @@ class JoinLoader:
         self._exhausted: Optional[Iterator] = None  # the iterator that ran out
         self.report = EpochReport(epoch=0, world_size=dist.get_world_size())
         self.epoch = 0
+        # Train only: () -> (epoch, first step, steps Composer skips), read when iteration starts
+        # (composer_join.resume.train_position), so a mid-epoch resume reshuffles and counts right.
+        self.position: Optional[Callable[[], tuple[int, int, int]]] = None
 
     def __len__(self) -> int:
         if self.length is None:
@@ -100,9 +103,15 @@ class JoinLoader:
             sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        first, skipped = 0, 0
+        if self.position is not None:
+            epoch, first, skipped = self.position()
+            self.set_epoch(epoch)
         batches = iter(self.dataloader)
-        self.report = EpochReport(epoch=self.epoch, world_size=dist.get_world_size())
-        step, pending = 0, self._fetch_and_agree(batches, 0)
+        if first + skipped == 0 or self.report.epoch != self.epoch:  # else: resuming the report's epoch
+            self.report = EpochReport(epoch=self.epoch, world_size=dist.get_world_size())
+        step = first
+        pending = self._fetch_and_agree(batches, step)
         try:
             while True:
                 batch, status, error, agreement = pending
@@ -113,7 +122,8 @@ class JoinLoader:
                 if plan.template_source is not None:
                     self._share_template(plan.template_source)
                 self.plan = plan
-                self.report.record(plan)
+                if step >= first + skipped:  # not a batch Composer spins past on resumption
+                    self.report.record(plan)
                 # Fetch the next batch and start its agreement now: it completes while this step trains.
                 pending = self._fetch_and_agree(batches, step + 1)
                 yield batch if status.has_batch else first_samples(self.template, 0)

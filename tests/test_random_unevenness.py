@@ -35,6 +35,8 @@ settings.register_profile('composer_join_fuzz', parent=settings.get_profile('com
                           max_examples=FUZZ_EXAMPLES)
 PROFILE = settings.get_profile('composer_join_fuzz' if FUZZ else 'composer_join_ci')
 
+pytestmark = pytest.mark.timeout(3600 if FUZZ else 600)
+
 SYNCS = ['single_auto_sync', 'multi_auto_sync', 'forced_sync']
 
 
@@ -65,7 +67,8 @@ def real_samples(cfg: dict) -> tuple[int, int]:
 
 
 def check(world: int, cfgs: list[dict]) -> None:
-    results = launch(world, [(f'draw{i}', 'train', {'cfg': cfg}) for i, cfg in enumerate(cfgs)], timeout=500)
+    calls = [(f'draw{i}', 'train', {'cfg': cfg}) for i, cfg in enumerate(cfgs)]
+    results = launch(world, calls, timeout=120 + 15 * len(cfgs))
     for i, cfg in enumerate(cfgs):
         ref = reference.train(cfg, divide=cfg['join']['divide_by_initial_world_size'])
         steps, samples = real_samples(cfg)

@@ -288,4 +288,6 @@ def is_shadow_step(state: State) -> bool:
                 if not is_shadow_step(state):
                     self.steps += 1
     """
+    if not isinstance(state, State):
+        raise TypeError(f"is_shadow_step(state) takes the trainer's State (trainer.state), got {type(state).__name__}")
     return any(isinstance(a, UnevenJoin) and a.is_shadow_step for a in state.algorithms)

@@ -33,6 +33,7 @@ from composer_join.batches import first_samples, sample_lists, to_cpu
 from composer_join.errors import UnevenInputsError
 from composer_join.plan import Agreement, RankStatus, StepPlan, agree_on_length
 from composer_join.report import EpochReport
+from composer_join.structure import describe as describe_structure, fingerprint
 from composer.core import DataSpec, State
 from composer.utils import dist
 
@@ -85,6 +86,7 @@ class JoinLoader:
         # Train only: () -> (epoch, first step, steps Composer skips), read when iteration starts
         # (composer_join.resume.train_position), so a mid-epoch resume reshuffles and counts right.
         self.position: Optional[Callable[[], tuple[int, int, int]]] = None
+        self.own_length: Optional[int] = None  # this rank's len(), if it has one: running out before it is an error
 
     def __len__(self) -> int:
         if self.length is None:
@@ -116,7 +118,7 @@ class JoinLoader:
             while True:
                 batch, status, error, agreement = pending
                 plan = agreement.plan()
-                self._raise_if_needed(plan, error)
+                self._raise_if_needed(plan, error, batch)
                 if not plan.active_ranks:
                     return
                 if plan.template_source is not None:
@@ -142,6 +144,8 @@ class JoinLoader:
                 batch = next(batches)
             except StopIteration:
                 self._exhausted = batches
+                if self.own_length is not None and step < self.own_length:  # batch i is trained at step i
+                    return None, RankStatus(has_batch=False, short=True), None
             except Exception as e:  # reported to every rank by the agreement, then re-raised here
                 return None, RankStatus(has_batch=False, failed=True), e
             else:
@@ -151,7 +155,7 @@ class JoinLoader:
                 overflow = False
                 if self.check_overflow and self.length is not None and step == self.length - 1:
                     overflow = _has_more(batches)
-                return batch, RankStatus(True, samples, microbatches, overflow=overflow), None
+                return batch, RankStatus(True, samples, microbatches, overflow=overflow, structure=fingerprint(batch)), None
         if self.template is not None and sample_lists(self.template):
             return None, RankStatus(has_batch=False, failed=True), UnevenInputsError(
                 f'rank {dist.get_global_rank()} ran out of data at step {step} and must shadow the others, but its '
@@ -159,9 +163,10 @@ class JoinLoader:
                 f'split when empty. Make the dataloader yield tensors only, or use '
                 f'UnevenJoin(throw_on_early_termination=True) to stop instead.',
             )
-        return None, RankStatus(has_batch=False, samples=0, microbatches=1, needs_template=self.template is None), None
+        return None, RankStatus(has_batch=False, samples=0, microbatches=1, needs_template=self.template is None,
+                                structure=0 if self.template is None else fingerprint(self.template)), None
 
-    def _raise_if_needed(self, plan: StepPlan, error: Optional[BaseException]) -> None:
+    def _raise_if_needed(self, plan: StepPlan, error: Optional[BaseException], batch: Any = None) -> None:
         failed = [r for r, s in enumerate(plan.statuses) if s.failed]
         if failed:
             msg = (
@@ -177,6 +182,24 @@ class JoinLoader:
                 f'the dataloader of rank(s) {overflow} yielded more than the {self.length} batches per epoch '
                 f'that the longest len() promised; the extra batches would be silently dropped. Make __len__ of '
                 f'each rank\'s dataset match what it yields, or remove __len__ so the epoch ends when data does.',
+            )
+        short = [r for r, s in enumerate(plan.statuses) if s.short]
+        if short:
+            raise UnevenInputsError(
+                f'the dataloader of rank(s) {short} ran out after {plan.step} batches in epoch {self.epoch}, fewer '
+                f'than its len() promised (this rank: len() {self.own_length}); the epoch length, and so schedules '
+                f'and durations, would silently be wrong. Make __len__ of each rank\'s dataset match what it yields, '
+                f'or remove __len__.',
+            )
+        if plan.structures_differ:
+            mine = describe_structure(batch if batch is not None else self.template)
+            structures = dist.all_gather_object(mine)  # only on this error path, on every rank
+            per_rank = '; '.join(f'rank {r}: {d}' for r, d in enumerate(structures))
+            raise UnevenInputsError(
+                f'at step {plan.step} of epoch {self.epoch} rank(s) {plan.joined_ranks} shadow with a batch shaped '
+                f'after another step\'s or another rank\'s, but the batches differ in structure ({per_rank}). A shadow '
+                f'batch copies container types, keys, tensor dtypes and dimensions; make every rank\'s dataloader '
+                f'yield one structure at every step.',
             )
         if self.throw_on_early_termination and plan.active_ranks and plan.joined_ranks:
             counts = ', '.join(f'rank {r}: {n}' for r, n in enumerate(self.report.real_batches))
@@ -222,6 +245,7 @@ def join_dataloader(state: State, cached: Optional[JoinLoader] = None, throw: bo
             throw_on_early_termination=throw,
             to_device=state.device.tensor_to_device,
         )
+    loader.own_length = own_lens[dist.get_global_rank()]
     label = state.dataloader_label
     state.set_dataloader(loader, label, -1 if shared is None else shared)
     log.info('UnevenJoin: %s batches per rank %s; every rank runs %s steps.', label, own_lens,

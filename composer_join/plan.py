@@ -1,12 +1,12 @@
 """The per-step agreement: which ranks still have data, and what every rank needs to know about it.
 
 Once per training step every rank contributes one row (``RankStatus``) and receives everybody's
-rows in one small ``all_reduce`` (a ``world_size x 6`` integer tensor). From the rows each rank
+rows in one small ``all_reduce`` (a ``world_size x 8`` integer tensor). From the rows each rank
 derives the same :class:`StepPlan`, so every decision that follows (shadow or real, gradient
 factor, buffer source, microbatch syncing, stop or go) is taken identically everywhere without
 further communication.
 
-Cost: one asynchronous collective of ``48 * world_size`` bytes per step; :class:`Agreement` starts
+Cost: one asynchronous collective of ``64 * world_size`` bytes per step; :class:`Agreement` starts
 it and waits only when the plan is needed, so the loader can start step ``t + 1``'s agreement
 while step ``t`` trains.
 """
@@ -32,10 +32,12 @@ class RankStatus:
     needs_template: bool = False  # has no batch and has never seen one: must be sent a template
     overflow: bool = False  # its dataloader yielded more batches than the shared length
     failed: bool = False  # its dataloader raised
+    structure: int = 0  # structure.fingerprint of its batch, or of the template it shadows with; 0: none
+    short: bool = False  # its dataloader ran out before yielding the batches its len() promised
 
     def row(self) -> list[int]:
         return [int(self.has_batch), self.samples, self.microbatches,
-                int(self.needs_template), int(self.overflow), int(self.failed)]
+                int(self.needs_template), int(self.overflow), int(self.failed), self.structure, int(self.short)]
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,12 @@ class StepPlan:
         return len(counts) == 1 and 0 not in counts
 
     @property
+    def structures_differ(self) -> bool:
+        """True on a step where some rank shadows and the ranks' batch structures (real or template) differ."""
+        known = {s.structure for s in self.statuses if s.structure}
+        return bool(self.joined_ranks) and bool(self.active_ranks) and len(known) > 1
+
+    @property
     def template_source(self) -> Optional[int]:
         """Lowest rank with data, if some rank needs a template batch at this step."""
         if any(s.needs_template for s in self.statuses) and self.active_ranks:
@@ -107,7 +115,8 @@ class Agreement:
         """Wait for every rank's row and return the common plan."""
         self._work.wait()
         statuses = tuple(
-            RankStatus(bool(h), int(s), int(m), bool(t), bool(o), bool(f)) for h, s, m, t, o, f in self._table.cpu().tolist()
+            RankStatus(bool(h), int(s), int(m), bool(t), bool(o), bool(f), int(c), bool(sh))
+            for h, s, m, t, o, f, c, sh in self._table.cpu().tolist()
         )
         return StepPlan(step=self.step, statuses=statuses)
 

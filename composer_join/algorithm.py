@@ -72,7 +72,7 @@ class UnevenJoin(Algorithm):
     the gradient applied is the mean of the per-sample loss gradients over the ``S_t`` samples,
     times ``A_t / W`` if ``divide_by_initial_world_size`` (torch's default) and times 1 otherwise.
 
-    Cost: one small collective per step (``48 * W`` bytes) to agree on who still has data, and one
+    Cost: one small collective per step (``64 * W`` bytes) to agree on who still has data, and one
     per fit or evaluation to agree on the epoch length; a shadow step costs a two-sample forward
     and backward.
 

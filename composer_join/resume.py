@@ -14,9 +14,9 @@ must know which (``train_position``):
 ``num_samples`` with uneven shards: Composer passes the *global* ``timestamp.sample_in_epoch``
 (real samples summed over ranks). A rank that reads its own shard needs its *own* count, so
 :func:`own_sample_counts` makes the dataset's ``state_dict`` receive the number of samples this
-rank has trained in the current epoch (0 at an epoch boundary, as Composer passes). A dataset
-that splits one global stream by itself (StreamingDataset) yields even shards and has no use
-for UnevenJoin's per-rank count; do not combine it with uneven per-rank data.
+rank has trained in the current epoch (0 at an epoch boundary, as Composer passes). The exception
+is ``streaming.StreamingDataset``, which splits one global sample space across ranks itself and
+expects the global count: it is left as it is.
 
 What :class:`~composer_join.UnevenJoin` saves (:func:`snapshot`) and loads (:func:`restore`): the
 finished epochs' reports, the current epoch's partial report (so the report after a resume
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 from typing import Any, Callable, Optional
 
 from composer.core import State
@@ -61,10 +62,19 @@ def own_sample_counts(dataset: Any, count: Callable[[], int]) -> None:
 
     ``count()`` is the number of samples this rank has trained in the current epoch. Composer's
     ``num_samples`` of 0 (an epoch boundary) is passed on unchanged. Idempotent; does nothing for
-    a dataset without ``state_dict``.
+    a dataset without ``state_dict`` or a ``StreamingDataset`` (it expects the global count).
+
+    Example:
+        >>> class Shard:
+        ...     def state_dict(self, num_samples, from_beginning):
+        ...         return {'sample_in_epoch': num_samples}
+        >>> shard = Shard()
+        >>> own_sample_counts(shard, lambda: 13)
+        >>> shard.state_dict(40, True), shard.state_dict(0, True)
+        ({'sample_in_epoch': 13}, {'sample_in_epoch': 0})
     """
     original = getattr(dataset, 'state_dict', None)
-    if not callable(original) or getattr(original, 'uneven_join_counts', False):
+    if not callable(original) or getattr(original, 'uneven_join_counts', False) or _splits_globally(dataset):
         return
 
     @functools.wraps(original)
@@ -73,6 +83,12 @@ def own_sample_counts(dataset: Any, count: Callable[[], int]) -> None:
 
     state_dict.uneven_join_counts = True  # type: ignore[attr-defined]
     dataset.state_dict = state_dict
+
+
+def _splits_globally(dataset: Any) -> bool:
+    """True for a StreamingDataset (checked only if ``streaming`` is imported: a dataset of it would have imported it)."""
+    streaming = sys.modules.get('streaming')
+    return streaming is not None and isinstance(dataset, getattr(streaming, 'StreamingDataset', ()))
 
 
 def snapshot(reports: list[EpochReport], current: Optional[EpochReport], source_rank: int) -> dict[str, Any]:

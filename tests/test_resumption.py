@@ -123,3 +123,21 @@ def test_a_dataset_that_resumes_itself_is_given_its_own_sample_count(runs):
         # one checkpoint per batch in each epoch, plus an epoch-end save at the final batch (count 0)
         assert res['full']['dataset_counts'][:steps] == own
         assert res['full']['dataset_counts'][steps:2 * steps] == own
+
+
+def test_a_streaming_dataset_keeps_the_global_count():
+    # StreamingDataset splits one global sample space across ranks itself: Composer's count is the right one.
+    from streaming import StreamingDataset
+
+    from composer_join.resume import own_sample_counts
+
+    class Streamed(StreamingDataset):
+        def __init__(self):  # no data needed: only state_dict is called
+            pass
+
+        def state_dict(self, num_samples, from_beginning):
+            return {'sample_in_epoch': num_samples}
+
+    dataset = Streamed()
+    own_sample_counts(dataset, lambda: 13)
+    assert dataset.state_dict(40, True) == {'sample_in_epoch': 40}

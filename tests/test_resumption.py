@@ -11,6 +11,8 @@ describes it, and trains every sample of every shard once per epoch.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -125,19 +127,20 @@ def test_a_dataset_that_resumes_itself_is_given_its_own_sample_count(runs):
         assert res['full']['dataset_counts'][steps:2 * steps] == own
 
 
-def test_a_streaming_dataset_keeps_the_global_count():
+def test_a_streaming_dataset_keeps_the_global_count(monkeypatch):
     # StreamingDataset splits one global sample space across ranks itself: Composer's count is the right one.
-    from streaming import StreamingDataset
+    # (A stand-in `streaming` module, so the test does not need mosaicml-streaming installed.)
+    import types
 
     from composer_join.resume import own_sample_counts
 
-    class Streamed(StreamingDataset):
-        def __init__(self):  # no data needed: only state_dict is called
-            pass
-
+    class StreamingDataset:
         def state_dict(self, num_samples, from_beginning):
             return {'sample_in_epoch': num_samples}
 
-    dataset = Streamed()
-    own_sample_counts(dataset, lambda: 13)
-    assert dataset.state_dict(40, True) == {'sample_in_epoch': 40}
+    monkeypatch.setitem(sys.modules, 'streaming', types.SimpleNamespace(StreamingDataset=StreamingDataset))
+    streamed, shard = StreamingDataset(), type('Shard', (), {'state_dict': StreamingDataset.state_dict})()
+    own_sample_counts(streamed, lambda: 13)
+    own_sample_counts(shard, lambda: 13)
+    assert streamed.state_dict(40, True) == {'sample_in_epoch': 40}
+    assert shard.state_dict(40, True) == {'sample_in_epoch': 13}

@@ -6,7 +6,8 @@
 WHERE is how the failing rank fails: ``dataloader`` (its dataset raises), ``forward`` (its model
 raises), ``callback`` (a callback raises at BATCH_END), ``sigkill`` (it kills itself with SIGKILL).
 WHEN is ``step``: rank 1 fails at step 1, while both ranks have data; or ``tail``: at step 3, where
-rank 0 has run out and shadows (rank 0 has 2 batches, rank 1 has 6). The failing rank is rank 1,
+rank 0 has run out and shadows (rank 0 has 2 batches, rank 1 has 6). A dataloader fails while
+fetching batch ``step + 1`` (the loader fetches a step ahead), a callback at the end of the step. The failing rank is rank 1,
 except ``tail`` with ``forward``/``callback``/``sigkill``, where it is the shadowing rank 0 (a
 shadowing rank does not read data, so ``dataloader`` in the tail fails rank 1, the one with data).
 
@@ -60,7 +61,7 @@ class FailingShard(ShardWithLen):
 class FailingModel(ToyModel):
     def __init__(self, at_step, out, where):
         super().__init__('mlp')
-        self.at_step, self.out, self.where, self.steps = at_step, out, where, -1
+        self.at_step, self.out, self.where = at_step, out, where
         self.state = None
 
     def forward(self, batch):
@@ -89,7 +90,6 @@ def main(where: str, when: str, out: Path) -> None:
     mine = rank == failing
     x, y = shard(rank, SHARDS[rank])
     dataset = FailingShard(x, y, 4 * (step + 1), out) if mine and where == 'dataloader' else ShardWithLen(x, y)
-    # (the loader prefetches a step ahead: reading batch step + 1 happens while step `step` is formed)
     model = FailingModel(step if mine and where in ('forward', 'sigkill') else -1, out, where)
     callback = FailAt(model, step if mine else -1, out, where)
     trainer = Trainer(model=model, train_dataloader=DataLoader(dataset, batch_size=4), max_duration='1ep',

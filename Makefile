@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench test-gpu bench-gpu clean
+.PHONY: demo test bench fuzz test-gpu bench-gpu clean
 
 demo: $(STAMP)
 	$(VENV)/bin/composer -n 2 examples/demo.py
@@ -14,6 +14,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/run.py
+
+fuzz: $(STAMP)   # hypothesis: hundreds of random uneven runs against the reference (~10 min on 2 cores)
+	COMPOSER_JOIN_FUZZ=1 $(VENV)/bin/pytest tests/test_random_unevenness.py
 
 # On GPUs (not run in CI): the distributed tests and the benchmarks with device='gpu' and NCCL, one GPU
 # per rank; scenarios with more ranks than GPUs are skipped. Both stop with a message below 2 GPUs.

@@ -53,6 +53,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import composer_join.loader
 from composer_join import CollectiveCounter, UnevenJoin, is_shadow_step
+from composer_join.plan import RankStatus
+
+_COLUMNS = len(RankStatus(True).row())  # the agreement tensor is world_size x _COLUMNS
 
 BATCH = 32  # samples per rank per step
 CLASSES = 10
@@ -214,7 +217,7 @@ class AgreementTap:
 
     def _all_reduce(self, tensor, *args, **kwargs):
         world = torch.distributed.get_world_size()
-        if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.int64 and tuple(tensor.shape) == (world, 7)):
+        if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.int64 and tuple(tensor.shape) == (world, _COLUMNS)):
             return self._original(tensor, *args, **kwargs)
         self.seen += 1
         if self.mode == 'fake':
@@ -469,7 +472,7 @@ def warm_up(sizes: list[int]) -> dict[str, Any]:
 
 
 def collective_latency(repeats: int = 300, late_ms: float = 10.0) -> dict[str, float]:
-    """What one gloo ``all_reduce`` of UnevenJoin's agreement tensor (``W x 7`` int64) costs on this machine.
+    """What one gloo ``all_reduce`` of UnevenJoin's agreement tensor (``W x 9`` int64) costs on this machine.
 
     * ``median``: wall time of one, back to back after a barrier (ranks already in step), median;
     * ``process_cpu`` / ``thread_cpu``: CPU time per call of the whole process / of the calling
@@ -477,7 +480,7 @@ def collective_latency(repeats: int = 300, late_ms: float = 10.0) -> dict[str, f
     * ``waiting_cpu_per_ms``: CPU the *waiting* ranks burn per millisecond of waiting, measured
       while the last rank arrives ``late_ms`` late each time (1.0 = a whole core busy-waits).
     """
-    table = torch.zeros(dist.get_world_size(), 7, dtype=torch.int64, device=_device())
+    table = torch.zeros(dist.get_world_size(), _COLUMNS, dtype=torch.int64, device=_device())
     times = []
     dist.barrier()
     cpu0 = (time.process_time(), time.thread_time())

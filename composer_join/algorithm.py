@@ -43,6 +43,7 @@ from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.plan import StepPlan
 from composer_join.report import EpochReport
+from composer_join.resume import own_sample_counts, restore, snapshot, train_position
 
 __all__ = ['UnevenJoin', 'is_shadow_step']
 
@@ -73,7 +74,7 @@ class UnevenJoin(Algorithm):
 
     Cost: one collective per fit or evaluation to agree on the epoch length. When every rank's
     dataloader has a ``len()``, no further collective on the steps before the shortest rank's last
-    batch, and one small one (``56 * W`` bytes) on each step from there on; without a ``len()`` on
+    batch, and one small one (``72 * W`` bytes) on each step from there on; without a ``len()`` on
     some rank, that small one on every step. A shadow step costs a two-sample forward and backward.
 
     Example::
@@ -131,6 +132,7 @@ class UnevenJoin(Algorithm):
         self._hooked: Optional[DistributedDataParallel] = None
         self._sync = MicrobatchSync()
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
+        self._resumed_report: Optional[EpochReport] = None  # the checkpoint's partial epoch, until FIT_START
 
     def __repr__(self) -> str:
         return self._repr
@@ -145,6 +147,15 @@ class UnevenJoin(Algorithm):
         """True while this rank runs a shadow step (it has run out of data, others have not)."""
         plan = self.plan
         return plan is not None and not plan.has_batch(self._rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in Composer checkpoints: the epoch reports (the current one partial) and the buffer source rank."""
+        current = self._train_loader.report if self._train_loader is not None else self._resumed_report
+        return {**super().state_dict(), **snapshot(self.reports, current, self._source.rank)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Called by Composer when it loads a checkpoint (``load_path``, ``autoresume``), before ``fit``."""
+        self.reports, self._resumed_report, self._source.rank = restore(state)
 
     def match(self, event: Event, state: State) -> bool:
         return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
@@ -200,7 +211,13 @@ class UnevenJoin(Algorithm):
         return self._active
 
     def _fit_start(self, state: State) -> None:
-        self._train_loader = self._loader = join_dataloader(state, self._train_loader, self.throw_on_early_termination)
+        self._train_loader = self._loader = loader = join_dataloader(state, self._train_loader,
+                                                                    self.throw_on_early_termination)
+        loader.position = lambda: train_position(state)
+        if self._resumed_report is not None:
+            loader.report, self._resumed_report = self._resumed_report, None
+        # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader.
+        own_sample_counts(state._dataset_of(state.train_dataloader), loader.own_samples)
         if isinstance(state.model, DistributedDataParallel) and state.model is not self._hooked:
             broadcast_buffers_from(state.model, lambda: self._source.rank)
             self._guard = BufferGuard(state.model.module)
@@ -281,4 +298,6 @@ def is_shadow_step(state: State) -> bool:
                 if not is_shadow_step(state):
                     self.steps += 1
     """
+    if not isinstance(state, State):
+        raise TypeError(f"is_shadow_step(state) takes the trainer's State (trainer.state), got {type(state).__name__}")
     return any(isinstance(a, UnevenJoin) and a.is_shadow_step for a in state.algorithms)

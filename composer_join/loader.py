@@ -43,6 +43,7 @@ from composer_join.plan import (
     Agreement, RankStatus, StepPlan, agree_on_failures, agree_on_length, plan_from_lengths, steps_planned_from_lengths,
 )
 from composer_join.report import EpochReport
+from composer_join.structure import describe as describe_structure, fingerprint
 from composer.core import DataSpec, State
 from composer.utils import dist
 
@@ -102,6 +103,19 @@ class JoinLoader:
         self._failure: Optional[tuple[int, BaseException]] = None  # step and cause, on a step planned from lengths
         self._unreported = 0  # own samples on steps planned from lengths, not yet sent in an agreement
         self._rank, self._world = dist.get_global_rank(), dist.get_world_size()
+        # Train only: () -> (epoch, first step, steps Composer skips), read when iteration starts
+        # (composer_join.resume.train_position), so a mid-epoch resume reshuffles and counts right.
+        self.position: Optional[Callable[[], tuple[int, int, int]]] = None
+
+    @property
+    def own_length(self) -> Optional[int]:
+        """This rank's ``len()``, if it has one: running out before it is an error."""
+        return self.lengths[self._rank] if self.lengths else None
+
+    def own_samples(self) -> int:
+        """Samples this rank has trained in the current epoch so far (-1 if uncountable)."""
+        reported = self.report.real_samples[self._rank]
+        return -1 if min(reported, self._unreported) < 0 else reported + self._unreported
 
     @property
     def planned_steps(self) -> int:
@@ -125,11 +139,17 @@ class JoinLoader:
             sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        first, skipped = 0, 0
+        if self.position is not None:
+            epoch, first, skipped = self.position()
+            self.set_epoch(epoch)
         batches = iter(self.dataloader)
-        self.report = EpochReport(epoch=self.epoch, world_size=self._world)
-        self.steps, self._ended, self._failure, self._unreported = 0, False, None, 0
+        if first + skipped == 0 or self.report.epoch != self.epoch:  # else: resuming the report's epoch
+            self.report = EpochReport(epoch=self.epoch, world_size=self._world)
+        self._ended, self._failure, self._unreported = False, None, 0
         planned = self.planned_steps
-        step, pending = 0, self._fetch_and_agree(batches, 0, planned)
+        step = self.steps = first
+        pending = self._fetch_and_agree(batches, step, planned)
         try:
             while pending is not None:
                 batch, status, error, agreement = pending
@@ -140,14 +160,16 @@ class JoinLoader:
                     plan = plan_from_lengths(step, self._rank, status, self._world)
                 else:
                     plan = (agreement or Agreement(step, status, self.to_device)).plan()
-                    self._raise_if_needed(plan, error)
+                    self._unreported = 0  # in the plan now, so in the report (or, spun past, already in it)
+                    self._raise_if_needed(plan, error, batch)
                     if not plan.active_ranks:
                         self._ended = True
                         return
                     if plan.template_source is not None:
                         self._share_template(plan.template_source)
                 self.plan = plan
-                self.report.record(plan)
+                if step >= first + skipped:  # not a batch Composer spins past on resumption
+                    self.report.record(plan)
                 # Fetch the next batch (and start its agreement) now: it completes while this step trains.
                 # With a known length Composer asks for no batch past it, so none is fetched.
                 pending = None if self.length is not None and step + 1 >= self.length else \
@@ -170,7 +192,7 @@ class JoinLoader:
                 uncountable = min(self._unreported, status.samples) < 0
                 self._unreported = -1 if uncountable else self._unreported + status.samples
             return batch, status, error, None
-        status, self._unreported = dataclasses.replace(status, unreported_samples=self._unreported), 0
+        status = dataclasses.replace(status, unreported_samples=self._unreported)  # zeroed once agreed
         return batch, status, error, Agreement(step, status, self.to_device) if step > planned else None
 
     def check_ended_together(self) -> None:
@@ -210,6 +232,8 @@ class JoinLoader:
                 batch = next(batches)
             except StopIteration:
                 self._exhausted = batches
+                if self.own_length is not None and step < self.own_length:  # batch i is trained at step i
+                    return None, RankStatus(has_batch=False, short=True), None
             except Exception as e:  # reported to every rank by the agreement, then re-raised here
                 return None, RankStatus(has_batch=False, failed=True), e
             else:
@@ -219,7 +243,7 @@ class JoinLoader:
                 overflow = False
                 if self.check_overflow and self.length is not None and step == self.length - 1:
                     overflow = _has_more(batches)
-                return batch, RankStatus(True, samples, microbatches, overflow=overflow), None
+                return batch, RankStatus(True, samples, microbatches, overflow=overflow, structure=fingerprint(batch)), None
         if self.template is not None and sample_lists(self.template):
             return None, RankStatus(has_batch=False, failed=True), UnevenInputsError(
                 f'rank {dist.get_global_rank()} ran out of data at step {step} and must shadow the others, but its '
@@ -227,9 +251,10 @@ class JoinLoader:
                 f'split when empty. Make the dataloader yield tensors only, or use '
                 f'UnevenJoin(throw_on_early_termination=True) to stop instead.',
             )
-        return None, RankStatus(has_batch=False, samples=0, microbatches=1, needs_template=self.template is None), None
+        return None, RankStatus(has_batch=False, samples=0, microbatches=1, needs_template=self.template is None,
+                                structure=0 if self.template is None else fingerprint(self.template)), None
 
-    def _raise_if_needed(self, plan: StepPlan, error: Optional[BaseException]) -> None:
+    def _raise_if_needed(self, plan: StepPlan, error: Optional[BaseException], batch: Any = None) -> None:
         failed = [r for r, s in enumerate(plan.statuses) if s.failed]
         if failed:
             msg = (
@@ -245,6 +270,24 @@ class JoinLoader:
                 f'the dataloader of rank(s) {overflow} yielded more than the {self.length} batches per epoch '
                 f'that the longest len() promised; the extra batches would be silently dropped. Make __len__ of '
                 f'each rank\'s dataset match what it yields, or remove __len__ so the epoch ends when data does.',
+            )
+        short = [r for r, s in enumerate(plan.statuses) if s.short]
+        if short:
+            raise UnevenInputsError(
+                f'the dataloader of rank(s) {short} ran out after {plan.step} batches in epoch {self.epoch}, fewer '
+                f'than its len() promised (this rank: len() {self.own_length}); the epoch length, and so schedules '
+                f'and durations, would silently be wrong. Make __len__ of each rank\'s dataset match what it yields, '
+                f'or remove __len__.',
+            )
+        if plan.structures_differ:
+            mine = describe_structure(batch if batch is not None else self.template)
+            structures = dist.all_gather_object(mine)  # only on this error path, on every rank
+            per_rank = '; '.join(f'rank {r}: {d}' for r, d in enumerate(structures))
+            raise UnevenInputsError(
+                f'at step {plan.step} of epoch {self.epoch} rank(s) {plan.joined_ranks} shadow with a batch shaped '
+                f'after another step\'s or another rank\'s, but the batches differ in structure ({per_rank}). A shadow '
+                f'batch copies container types, keys, tensor dtypes and dimensions; make every rank\'s dataloader '
+                f'yield one structure at every step.',
             )
         if self.throw_on_early_termination and plan.active_ranks and plan.joined_ranks:
             counts = ', '.join(f'rank {r}: {n}' for r, n in enumerate(self.report.real_batches))

@@ -1,12 +1,12 @@
 """The agreement on a step: which ranks still have data, and what every rank needs to know about it.
 
 On a step that needs it, every rank contributes one row (``RankStatus``) and receives everybody's
-rows in one small ``all_reduce`` (a ``world_size x 7`` integer tensor). From the rows each rank
+rows in one small ``all_reduce`` (a ``world_size x 9`` integer tensor). From the rows each rank
 derives the same :class:`StepPlan`, so every decision that follows (shadow or real, gradient
 factor, buffer source, microbatch syncing, stop or go) is taken identically everywhere without
 further communication.
 
-Cost: one asynchronous collective of ``56 * world_size`` bytes per agreed step; :class:`Agreement`
+Cost: one asynchronous collective of ``72 * world_size`` bytes per agreed step; :class:`Agreement`
 starts it and waits only when the plan is needed, so the loader can start step ``t + 1``'s
 agreement while step ``t`` trains.
 
@@ -18,7 +18,7 @@ and no collective at all. Only the steps from the shortest rank's last batch on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -39,10 +39,16 @@ class RankStatus:
     overflow: bool = False  # its dataloader yielded more batches than the shared length
     failed: bool = False  # its dataloader raised
     unreported_samples: int = 0  # samples of its batches on steps planned from len() alone (-1: uncountable)
+    structure: int = 0  # structure.fingerprint of its batch, or of the template it shadows with; 0: none
+    short: bool = False  # its dataloader ran out before yielding the batches its len() promised
 
     def row(self) -> list[int]:
-        return [int(self.has_batch), self.samples, self.microbatches,
-                int(self.needs_template), int(self.overflow), int(self.failed), self.unreported_samples]
+        return [int(getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def from_row(cls, row: list[int]) -> 'RankStatus':
+        """The inverse of :meth:`row` (field types are strings here: ``from __future__ import annotations``)."""
+        return cls(*(bool(v) if f.type == 'bool' else int(v) for f, v in zip(fields(cls), row)))
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,12 @@ class StepPlan:
         return len(counts) == 1 and 0 not in counts
 
     @property
+    def structures_differ(self) -> bool:
+        """True on a step where some rank shadows and the ranks' batch structures (real or template) differ."""
+        known = {s.structure for s in self.statuses if s.structure}
+        return bool(self.joined_ranks) and bool(self.active_ranks) and len(known) > 1
+
+    @property
     def template_source(self) -> Optional[int]:
         """Lowest rank with data, if some rank needs a template batch at this step."""
         if any(s.needs_template for s in self.statuses) and self.active_ranks:
@@ -118,8 +130,7 @@ class Agreement:
         """Wait for every rank's row and return the common plan."""
         self._work.wait()
         statuses = tuple(
-            RankStatus(bool(h), int(s), int(m), bool(t), bool(o), bool(f), int(u))
-            for h, s, m, t, o, f, u in self._table.cpu().tolist()
+            RankStatus.from_row(row) for row in self._table.cpu().tolist()
         )
         return StepPlan(step=self.step, statuses=statuses)
 

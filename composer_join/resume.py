@@ -1,0 +1,108 @@
+"""Resuming a run mid-epoch: where the train dataloader stands, and what UnevenJoin keeps in a checkpoint.
+
+Composer resumes a train dataloader in one of two ways, and the :class:`~composer_join.loader.JoinLoader`
+must know which (``train_position``):
+
+* *spinning* (the default): Composer iterates the dataloader from the start of the epoch and
+  discards the first ``batch_in_epoch`` batches. Composer calls ``sampler.set_epoch`` only on a
+  raw ``DataLoader``, and fires ``EPOCH_START`` only at ``batch_in_epoch == 0``, so the loader
+  sets its ``DistributedSampler``'s epoch itself whenever it starts iterating.
+* *the dataset resumes itself* (``dataset.state_dict(num_samples, from_beginning)`` /
+  ``load_state_dict``, as ``streaming.StreamingDataset`` does): Composer skips spinning and the
+  dataloader's first batch is batch ``batch_in_epoch`` of the epoch.
+
+``num_samples`` with uneven shards: Composer passes the *global* ``timestamp.sample_in_epoch``
+(real samples summed over ranks). A rank that reads its own shard needs its *own* count, so
+:func:`own_sample_counts` makes the dataset's ``state_dict`` receive the number of samples this
+rank has trained in the current epoch (0 at an epoch boundary, as Composer passes). The exception
+is ``streaming.StreamingDataset``, which splits one global sample space across ranks itself and
+expects the global count: it is left as it is.
+
+What :class:`~composer_join.UnevenJoin` saves (:func:`snapshot`) and loads (:func:`restore`): the
+finished epochs' reports, the current epoch's partial report (so the report after a resume
+counts every step trained in that epoch, before and after the checkpoint, and none spun past)
+and the rank DDP broadcasts buffers from. All of it is the same on every rank.
+
+Example::
+
+    trainer = Trainer(..., algorithms=[UnevenJoin()], save_folder='ckpt', save_interval='1ba')
+    trainer.fit()                       # interrupted at any batch
+    trainer = Trainer(..., algorithms=[UnevenJoin()], load_path='ckpt/ep1-ba7-rank0.pt')
+    trainer.fit()                       # same samples, same order, same weights as without the interruption
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+from typing import Any, Callable, Optional
+
+from composer.core import State
+
+from composer_join.report import EpochReport
+
+__all__ = ['own_sample_counts', 'restore', 'snapshot', 'train_position']
+
+
+def train_position(state: State) -> tuple[int, int, int]:
+    """``(epoch, first_step, skipped)`` for the train dataloader Composer is about to iterate.
+
+    ``first_step`` is the index in the epoch of the dataloader's first batch, ``skipped`` how
+    many of the batches it yields first Composer will discard (spinning to ``batch_in_epoch``).
+    """
+    epoch, step = int(state.timestamp.epoch), int(state.timestamp.batch_in_epoch)
+    if 'train' in state.dataset_resumption:  # the dataset resumed itself: no spinning
+        return epoch, step, 0
+    return epoch, 0, step
+
+
+def own_sample_counts(dataset: Any, count: Callable[[], int]) -> None:
+    """Make Composer's ``dataset.state_dict(num_samples, from_beginning)`` receive this rank's own count.
+
+    ``count()`` is the number of samples this rank has trained in the current epoch. Composer's
+    ``num_samples`` of 0 (an epoch boundary) is passed on unchanged. Idempotent; does nothing for
+    a dataset without ``state_dict`` or a ``StreamingDataset`` (it expects the global count).
+
+    Example:
+        >>> class Shard:
+        ...     def state_dict(self, num_samples, from_beginning):
+        ...         return {'sample_in_epoch': num_samples}
+        >>> shard = Shard()
+        >>> own_sample_counts(shard, lambda: 13)
+        >>> shard.state_dict(40, True), shard.state_dict(0, True)
+        ({'sample_in_epoch': 13}, {'sample_in_epoch': 0})
+    """
+    original = getattr(dataset, 'state_dict', None)
+    if not callable(original) or getattr(original, 'uneven_join_counts', False) or _splits_globally(dataset):
+        return
+
+    @functools.wraps(original)
+    def state_dict(num_samples: int, from_beginning: bool = True) -> Any:
+        return original(count() if num_samples else 0, from_beginning)
+
+    state_dict.uneven_join_counts = True  # type: ignore[attr-defined]
+    dataset.state_dict = state_dict
+
+
+def _splits_globally(dataset: Any) -> bool:
+    """True for a StreamingDataset (checked only if ``streaming`` is imported: a dataset of it would have imported it)."""
+    streaming = sys.modules.get('streaming')
+    return streaming is not None and isinstance(dataset, getattr(streaming, 'StreamingDataset', ()))
+
+
+def snapshot(reports: list[EpochReport], current: Optional[EpochReport], source_rank: int) -> dict[str, Any]:
+    """What UnevenJoin puts in its ``state_dict``: plain data, the same on every rank."""
+    return {
+        'reports': [copy.deepcopy(vars(r)) for r in reports],
+        'current': None if current is None else copy.deepcopy(vars(current)),
+        'buffer_source': source_rank,
+    }
+
+
+def restore(saved: dict[str, Any]) -> tuple[list[EpochReport], Optional[EpochReport], int]:
+    """The inverse of :func:`snapshot`: ``(reports, current report, buffer source rank)``."""
+    current = saved.get('current')
+    return ([EpochReport(**r) for r in saved.get('reports', [])],
+            None if current is None else EpochReport(**current),
+            int(saved.get('buffer_source', 0)))

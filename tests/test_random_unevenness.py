@@ -1,0 +1,90 @@
+"""Random uneven runs (hypothesis) against the single-process reference.
+
+Each example draws a world size's worth of training configs: per-rank shard sizes from 0 to a few
+batches (empty and one-sample shards drawn often), batch and microbatch sizes, the DDP sync
+strategy, sized or unsized shards, 1 or 2 epochs, SGD with momentum or Adam, and both
+``divide_by_initial_world_size`` values. Starting ranks is expensive, so one example is one
+launch that trains all its configs in one process group; the reference is computed here, in the
+test process (``tests/reference.py``), and every rank's weights must match it within 1e-5.
+
+Profiles: the default (the suite's) runs one example of ``CI_CONFIGS`` configs per world size 2,
+3 and 4; ``make fuzz`` (``COMPOSER_JOIN_FUZZ=1``) runs ``FUZZ_EXAMPLES`` examples of
+``FUZZ_CONFIGS`` configs per world size (hundreds of draws). Shrinking is off (each try is a
+launch); a failure names the config that failed, which reruns as a plain scenario.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import reference
+from harness import RankError, launch
+
+TOL = 1e-5
+CI_CONFIGS, FUZZ_CONFIGS, FUZZ_EXAMPLES = 6, 25, 4
+FUZZ = os.environ.get('COMPOSER_JOIN_FUZZ') == '1'
+CONFIGS = FUZZ_CONFIGS if FUZZ else CI_CONFIGS
+
+settings.register_profile('composer_join_ci', max_examples=1, deadline=None, phases=[Phase.generate],
+                          suppress_health_check=list(HealthCheck), database=None)
+settings.register_profile('composer_join_fuzz', parent=settings.get_profile('composer_join_ci'),
+                          max_examples=FUZZ_EXAMPLES)
+PROFILE = settings.get_profile('composer_join_fuzz' if FUZZ else 'composer_join_ci')
+
+pytestmark = pytest.mark.timeout(3600 if FUZZ else 600)
+
+SYNCS = ['single_auto_sync', 'multi_auto_sync', 'forced_sync']
+
+
+@st.composite
+def configs(draw, world: int) -> dict:
+    batch = draw(st.integers(1, 5))
+    size = st.one_of(st.just(0), st.just(1), st.integers(0, 3 * batch + 1))
+    shards = draw(st.lists(size, min_size=world, max_size=world).filter(lambda s: sum(s) > 0))
+    microbatch = draw(st.one_of(st.none(), st.integers(1, batch)))
+    cfg = dict(
+        shards=shards, batch_size=batch, microbatch=microbatch, sync=draw(st.sampled_from(SYNCS)),
+        dataset=draw(st.sampled_from(['iterable', 'iterable_nolen'])), epochs=draw(st.integers(1, 2)),
+        optimizer=draw(st.sampled_from(['sgd', 'adam'])),
+        join={'divide_by_initial_world_size': draw(st.booleans())},
+    )
+    if cfg['dataset'] == 'iterable_nolen':  # Composer needs a duration in batches without len(): cut anywhere
+        steps = draw(st.integers(1, 2 * max(-(-n // batch) for n in shards)))
+        cfg.update(epochs=2, max_duration=f'{steps}ba', max_steps=steps)
+    return cfg
+
+
+def real_samples(cfg: dict) -> tuple[int, int]:
+    """(steps, real samples) the run trains: every epoch as long as the longest shard, cut at ``max_steps``."""
+    b = cfg['batch_size']
+    per_step = [sum(max(0, min(b, n - t * b)) for n in cfg['shards']) for t in range(max(-(-n // b) for n in cfg['shards']))]
+    steps = (per_step * cfg['epochs'])[:cfg.get('max_steps')]
+    return len(steps), sum(steps)
+
+
+def check(world: int, cfgs: list[dict]) -> None:
+    calls = [(f'draw{i}', 'train', {'cfg': cfg}) for i, cfg in enumerate(cfgs)]
+    results = launch(world, calls, timeout=120 + 15 * len(cfgs))
+    for i, cfg in enumerate(cfgs):
+        ref = reference.train(cfg, divide=cfg['join']['divide_by_initial_world_size'])
+        steps, samples = real_samples(cfg)
+        for rank, res in enumerate(results[f'draw{i}']):
+            assert not isinstance(res, RankError), f'config {cfg}: rank {rank} raised {res}'
+            diff = reference.max_abs_diff(res['params'], ref['params'])
+            assert diff < TOL, f'config {cfg}: rank {rank} is {diff:.2e} from the reference'
+            assert res['timestamp']['sample'] == samples, f'config {cfg}: rank {rank}'
+            assert res['timestamp']['batch'] == steps, f'config {cfg}: rank {rank}'
+
+
+@pytest.mark.parametrize('world', [2, 3, 4])
+def test_random_uneven_runs_match_the_reference(world):
+    @PROFILE
+    @given(st.lists(configs(world), min_size=CONFIGS, max_size=CONFIGS))
+    def run(cfgs):
+        check(world, cfgs)
+
+    run()

@@ -155,7 +155,7 @@ class JoinLoader:
                 batch, status, error, agreement = pending
                 if step < planned:
                     if not status.has_batch:  # only this rank knows: stop, and Composer stops every rank
-                        self._failure = (step, error or self._ended_before_len(step))
+                        self._failure = (step, error)  # error None: it ended before its len()
                         return
                     plan = plan_from_lengths(step, self._rank, status, self._world)
                 else:
@@ -207,22 +207,27 @@ class JoinLoader:
         """
         if self.length is None or self._ended or self.steps >= self.length:
             return
-        failed = agree_on_failures(None if self._failure is None else self._failure[0], self.to_device)
-        if self._failure is not None:
-            raise self._failure[1]
-        ranks = [r for r, step in enumerate(failed) if step is not None]
-        steps = sorted({step for step in failed if step is not None})
+        step, error = self._failure if self._failure is not None else (None, None)
+        failed = agree_on_failures(step, self._failure is not None and error is None, self.to_device)
+        if error is not None:
+            raise error
+        short = [r for r, f in enumerate(failed) if f is not None and f[1]]
+        if short:
+            raise self._short_error(short, min(f[0] for f in failed if f is not None and f[1]))
+        ranks = [r for r, f in enumerate(failed) if f is not None]
+        steps = sorted({f[0] for f in failed if f is not None})
         raise UnevenInputsError(
             f'rank(s) {ranks} could not form batch {", ".join(map(str, steps))} of epoch {self.epoch} (their '
-            f'dataloader raised, or ended before its len()); every rank stops here, the failing rank raises the cause',
+            f'dataloader raised); every rank stops here, the failing rank raises the cause',
         )
 
-    def _ended_before_len(self, step: int) -> UnevenInputsError:
+    def _short_error(self, ranks: list[int], step: int) -> UnevenInputsError:
+        """The error for dataloaders that ended after ``step`` batches, before their ``len()``."""
         return UnevenInputsError(
-            f'the dataloader of rank {self._rank} ended after {step} batches, but its len() is '
-            f'{self.lengths[self._rank]}; UnevenJoin planned the steps before the shortest rank\'s last batch from '
-            f'every rank\'s len(), so the others are still training. Make __len__ of each rank\'s dataset match what '
-            f'it yields, or remove __len__ so the epoch ends when data does.',
+            f'the dataloader of rank(s) {ranks} ran out after {step} batches in epoch {self.epoch}, fewer '
+            f'than its len() promised (this rank: len() {self.own_length}); the epoch length, and so schedules '
+            f'and durations, would silently be wrong. Make __len__ of each rank\'s dataset match what it yields, '
+            f'or remove __len__.',
         )
 
     def _fetch(self, batches: Iterator[Any], step: int) -> tuple[Any, RankStatus, Optional[BaseException]]:
@@ -273,12 +278,7 @@ class JoinLoader:
             )
         short = [r for r, s in enumerate(plan.statuses) if s.short]
         if short:
-            raise UnevenInputsError(
-                f'the dataloader of rank(s) {short} ran out after {plan.step} batches in epoch {self.epoch}, fewer '
-                f'than its len() promised (this rank: len() {self.own_length}); the epoch length, and so schedules '
-                f'and durations, would silently be wrong. Make __len__ of each rank\'s dataset match what it yields, '
-                f'or remove __len__.',
-            )
+            raise self._short_error(short, plan.step)
         if plan.structures_differ:
             mine = describe_structure(batch if batch is not None else self.template)
             structures = dist.all_gather_object(mine)  # only on this error path, on every rank

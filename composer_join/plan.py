@@ -164,15 +164,20 @@ def plan_from_lengths(step: int, rank: int, own: RankStatus, world_size: int) ->
     return StepPlan(step, tuple(own if r == rank else others for r in range(world_size)), agreed=False)
 
 
-def agree_on_failures(failed_step: Optional[int], to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
-    """Every rank's failing step (``None`` where it did not fail): one collective, on every rank.
+def agree_on_failures(
+    failed_step: Optional[int],
+    short: bool = False,
+    to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> list[Optional[tuple[int, bool]]]:
+    """Every rank's ``(failing step, whether it ran short of its len())``, ``None`` where it did not fail.
 
-    For the rare end of a loop that ended before its planned length because some rank could not
-    form a batch on a step planned from the lengths (see ``JoinLoader.check_ended_together``).
+    One collective, on every rank, for the rare end of a loop that ended before its planned length
+    because some rank could not form a batch on a step planned from the lengths (see
+    ``JoinLoader.check_ended_together``).
     """
-    table, work = _exchange_rows([-1 if failed_step is None else failed_step], to_device)
+    table, work = _exchange_rows([-1 if failed_step is None else failed_step, int(short)], to_device)
     work.wait()
-    return [None if v < 0 else int(v) for v in table.cpu().flatten().tolist()]
+    return [None if step < 0 else (int(step), bool(s)) for step, s in table.cpu().tolist()]
 
 
 def agree_on_length(

@@ -153,7 +153,8 @@ def test_microbatch_counts_that_differ_on_every_step(runs, name):
     ('fails_at_step_0', 1, 0, ('RuntimeError', 'disk read error at sample 3')),
     ('fails_at_step_1', 1, 1, ('RuntimeError', 'disk read error at sample 12')),
     ('fails_at_step_3', 0, 3, ('RuntimeError', 'disk read error at sample 26')),
-    ('len_overstates', 1, 3, ('UnevenInputsError', 'rank 1 ended after 3 batches, but its len() is 5')),
+    ('len_overstates', 1, 3, ('UnevenInputsError', 'the dataloader of rank(s) [1] ran out after 3 batches in epoch 0, '
+                                                   'fewer than its len() promised (this rank: len() 5)')),
     ('eval_fails_at_step_1', 1, 1, ('RuntimeError', 'disk read error at sample 6')),
 ])
 def test_a_rank_that_cannot_form_a_planned_batch_stops_every_rank(runs, name, rank, step, cause):
@@ -161,8 +162,9 @@ def test_a_rank_that_cannot_form_a_planned_batch_stops_every_rank(runs, name, ra
     assert all(isinstance(res, RankError) for res in per_rank), f'{name}: some rank did not stop: {per_rank}'
     assert (per_rank[rank].type, cause[1] in per_rank[rank].message) == (cause[0], True), per_rank[rank]
     other = per_rank[1 - rank]
-    assert other.type == 'UnevenInputsError' and f'rank(s) [{rank}] could not form batch {step} of epoch ' \
-        in other.message, other
+    says = f'rank(s) [{rank}] ran out after {step} batches' if name == 'len_overstates' else \
+        f'rank(s) [{rank}] could not form batch {step} of epoch '
+    assert other.type == 'UnevenInputsError' and says in other.message, other
     for res in ok(runs, 'after_failure'):
         assert res['timestamp']['sample'] == 32
 

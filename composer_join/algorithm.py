@@ -42,6 +42,7 @@ from composer_join.ddp import BufferGuard, BufferSource, MicrobatchSync, broadca
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.plan import StepPlan
+from composer_join.rebalance import RebalancingLoader
 from composer_join.report import EpochReport
 
 __all__ = ['UnevenJoin', 'is_shadow_step']
@@ -96,13 +97,21 @@ class UnevenJoin(Algorithm):
         throw_on_early_termination: if True, every rank raises :class:`UnevenInputsError` at the
             first training step where some rank has no batch left, before any optimizer step for
             it. (Evaluation always joins: uneven eval shards are evaluated exactly.)
+        mode: ``'shadow'`` (default): each rank trains its own batches, ranks that run out shadow.
+            ``'rebalance'``: ranks that run out are handed whole batches by ranks that still have
+            several, so an epoch lasts ``ceil(total batches / W)`` steps
+            (:mod:`composer_join.rebalance`; needs every rank's ``len()``, else it shadows).
+            Evaluation always shadows (it is exact).
     """
+
+    MODES = ('shadow', 'rebalance')
 
     def __init__(
         self,
         divide_by_initial_world_size: bool = True,
         enable: bool = True,
         throw_on_early_termination: bool = False,
+        mode: str = 'shadow',
     ):
         for name, value in (
             ('divide_by_initial_world_size', divide_by_initial_world_size),
@@ -111,13 +120,17 @@ class UnevenJoin(Algorithm):
         ):
             if not isinstance(value, bool):
                 raise TypeError(f'UnevenJoin({name}=...) must be True or False, got {value!r}')
+        if mode not in self.MODES:
+            raise ValueError(f"UnevenJoin(mode=...) must be one of {', '.join(map(repr, self.MODES))}; got {mode!r}")
+        self.mode = mode
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.enable = enable
         self.throw_on_early_termination = throw_on_early_termination
         self.reports: list[EpochReport] = []  # one per finished training epoch, the same on every rank
         self._repr = (
             f'UnevenJoin(divide_by_initial_world_size={divide_by_initial_world_size}, '
-            f'enable={enable}, throw_on_early_termination={throw_on_early_termination})'
+            f'enable={enable}, throw_on_early_termination={throw_on_early_termination}'
+            + (f', mode={mode!r})' if mode != 'shadow' else ')')
         )  # Composer formats the algorithm into a trace key at every event it runs
         self._rank = 0
         self._active: Optional[bool] = None  # decided at the first FIT_START or EVAL_START
@@ -197,7 +210,8 @@ class UnevenJoin(Algorithm):
         return self._active
 
     def _fit_start(self, state: State) -> None:
-        self._train_loader = self._loader = join_dataloader(state, self._train_loader, self.throw_on_early_termination)
+        self._train_loader = self._loader = join_dataloader(state, self._train_loader, self.throw_on_early_termination,
+                                                            rebalance=self.mode == 'rebalance')
         if isinstance(state.model, DistributedDataParallel) and state.model is not self._hooked:
             broadcast_buffers_from(state.model, lambda: self._source.rank)
             self._guard = BufferGuard(state.model.module)
@@ -252,6 +266,8 @@ class UnevenJoin(Algorithm):
 
     def _epoch_end(self, logger: Logger) -> None:
         report = self._train_loader.report
+        if isinstance(self._train_loader.dataloader, RebalancingLoader):
+            self._train_loader.dataloader.complete(report)
         self.reports.append(report)
         logger.log_metrics(report.metrics())
         if self._rank == 0:

@@ -186,13 +186,19 @@ class RebalancingLoader:
             yield batches[0]
 
     def _send(self, batch: Any, dst: int, step: int) -> Optional[Exception]:
-        """Send ``batch`` to rank ``dst`` (``None``: a failure header); return why it could not be sent, if so."""
+        """Send ``batch`` to rank ``dst`` (``None``: a failure header); return why it could not be sent, if so.
+
+        Everything that can fail locally (pickling, copying to the device) happens before the first
+        message, so a receiver is never left waiting in the middle of a batch.
+        """
         tensors: list[torch.Tensor] = []
         status, header, refused = _FAILED, b'', None
         if batch is not None:
 
             def take(t: torch.Tensor) -> torch.Tensor:
-                tensors.append(t)
+                if t.layout != torch.strided:
+                    raise TypeError(f'a {t.layout} tensor cannot be sent')
+                tensors.append(self.to_device(t.detach().contiguous()))
                 return torch.empty(0, dtype=t.dtype)
 
             try:
@@ -202,7 +208,7 @@ class RebalancingLoader:
             except Exception as e:  # e.g. something in the batch that pickle refuses
                 refused = UnevenInputsError(
                     f'rank {self.rank} cannot send the batch rank {dst} is to train at step {step}: '
-                    f'{type(e).__name__}: {e}. mode=\'rebalance\' moves tensors and picklable objects only; '
+                    f'{type(e).__name__}: {e}. mode=\'rebalance\' moves dense tensors and picklable objects only; '
                     f'use mode=\'shadow\' for such batches.',
                 )
                 tensors = []
@@ -214,7 +220,7 @@ class RebalancingLoader:
         torch.distributed.send(self.to_device(torch.frombuffer(bytearray(header), dtype=torch.uint8)), dst)
         self.bytes_sent += len(header)
         for t in tensors:
-            torch.distributed.send(self.to_device(t.detach().contiguous()), dst)
+            torch.distributed.send(t, dst)
             self.bytes_sent += t.numel() * t.element_size()
         return None
 

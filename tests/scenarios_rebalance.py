@@ -12,7 +12,7 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 from composer_join import ExactDistributedSampler, UnevenInputsError, UnevenJoin, is_shadow_step
-from rank_scenarios import AsksForUnusedParameters, Indexed, LogLines, ToyModel, make_loader, make_optimizer
+from rank_scenarios import AsksForUnusedParameters, Indexed, LogLines, ShardWithLen, ToyModel, make_loader, make_optimizer
 from toy import shard, unpack
 
 
@@ -58,6 +58,12 @@ class Trained(Callback):
 
 
 def _loader(cfg: dict, rank: int):
+    if cfg.get('fmt') == 'lambdas':  # dict batches that also hold something pickle refuses (deepcopy does not)
+        def collate(samples):
+            return {'x': torch.stack([s[0] for s in samples]), 'y': torch.stack([s[1] for s in samples]),
+                    'hooks': [lambda: None for _ in samples]}
+
+        return DataLoader(ShardWithLen(*shard(rank, cfg['shards'][rank])), batch_size=cfg['batch_size'], collate_fn=collate)
     if cfg.get('dataset') == 'skewed':
         dataset = Indexed(*shard(7, sum(cfg['shards'])))
         return DataLoader(dataset, batch_size=cfg['batch_size'], sampler=SkewedSampler(dataset, cfg['shards']))

@@ -39,6 +39,7 @@ SCENARIOS: dict[str, dict] = {
                               max_steps=9, join=RB),
     'gift_read_fails': dict(shards=[40, 8], batch_size=8, epochs=1, fail_at={0: 20}, join=RB),
     'len_too_short': dict(shards=[40, 8], batch_size=8, epochs=1, claimed_len={0: 16}, join=RB),
+    'unpicklable': dict(shards=[40, 8], batch_size=8, epochs=1, fmt='lambdas', join=RB),
     # 3 ranks
     'empty_three': dict(shards=[40, 0, 13], batch_size=4, epochs=2, join=RB),
     'three_mb_multi': dict(shards=[48, 8, 8], batch_size=8, epochs=1, microbatch=3, sync='multi_auto_sync', join=RB),
@@ -46,7 +47,7 @@ SCENARIOS: dict[str, dict] = {
     'four_ranks_4_1': dict(shards=[64, 16, 16, 16], batch_size=8, epochs=2, join=RB),
     'map_skewed_sampler': dict(shards=[30, 10, 0, 8], batch_size=4, epochs=2, dataset='skewed', join=RB),
 }
-TRAINED = [n for n in SCENARIOS if n not in ('no_len_falls_back', 'gift_read_fails', 'len_too_short')]
+TRAINED = [n for n in SCENARIOS if n not in ('no_len_falls_back', 'gift_read_fails', 'len_too_short', 'unpicklable')]
 
 
 @pytest.fixture(scope='module')
@@ -266,6 +267,13 @@ def test_a_len_that_hides_batches_stops_every_rank(runs):
     assert rank0.type == rank1.type == 'UnevenInputsError'
     assert 'yielded more than the 2 batches' in rank0.message
     assert 'rank(s) [0] could not form batch' in rank1.message
+
+
+def test_a_batch_that_cannot_be_sent_stops_every_rank_with_a_clear_error(runs):
+    donor, receiver = runs['unpicklable']
+    assert donor.type == 'UnevenInputsError' and 'rank 0 cannot send the batch rank 1 is to train at step 1' in donor.message
+    assert "use mode='shadow'" in donor.message
+    assert receiver.type == 'UnevenInputsError' and 'rank 0 could not read or send' in receiver.message
 
 
 # -- the schedule's properties and the argument, without ranks -----------------------------------------

@@ -11,16 +11,19 @@ one launch.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
 
 import reference
 from harness import RankError, launch
 from toy import make_module, per_sample_loss, shard
 
+ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 RB = {'mode': 'rebalance'}
 RB_NO_DIVIDE = {'mode': 'rebalance', 'divide_by_initial_world_size': False}
@@ -298,7 +301,7 @@ def test_schedule_properties(counts):
 
 def test_mode_must_be_one_of_the_allowed_values_in_python_and_yaml():
     from composer_join import UnevenJoin
-    from composer_join.config import ConfigError, build
+    from composer_join.config import ConfigError, build, load_config
     from composer_join.registry import ALGORITHMS
 
     with pytest.raises(ValueError, match="must be one of 'shadow', 'rebalance'; got 'rebalanse'"):
@@ -307,3 +310,9 @@ def test_mode_must_be_one_of_the_allowed_values_in_python_and_yaml():
         build(ALGORITHMS, {'uneven_join': {'mode': 'rebalanse'}}, 'algorithms')
     [join] = build(ALGORITHMS, {'uneven_join': {'mode': 'rebalance'}}, 'algorithms')
     assert join.mode == 'rebalance' and UnevenJoin().mode == 'shadow'
+    # the YAML form, as a command-line override of a shipped config
+    cfg = load_config(ROOT / 'configs' / 'digits_uneven.yaml', ['algorithms=[{uneven_join: {mode: rebalanse}}]'])
+    with pytest.raises(ConfigError, match=r"algorithms\[0\]\.uneven_join: .*must be one of 'shadow', 'rebalance'"):
+        build(ALGORITHMS, OmegaConf.to_container(cfg.algorithms), 'algorithms')
+    cfg = load_config(ROOT / 'configs' / 'digits_uneven.yaml', ['algorithms=[{uneven_join: {mode: rebalance}}]'])
+    assert build(ALGORITHMS, OmegaConf.to_container(cfg.algorithms), 'algorithms')[0].mode == 'rebalance'

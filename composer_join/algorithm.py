@@ -6,8 +6,9 @@ The class only routes Composer events to the pieces that do the work:
 event                     what happens
 ========================  ======================================================================
 ``FIT_START``             agree on the epoch length (longest rank's), wrap the train dataloader
-                          in a :class:`~composer_join.loader.JoinLoader`, hook DDP's buffer
-                          broadcast (:mod:`composer_join.ddp`)
+                          in a :class:`~composer_join.loader.JoinLoader` (``mode='rebalance'``:
+                          over a :class:`~composer_join.rebalance.RebalancingLoader`), hook DDP's
+                          buffer broadcast (:mod:`composer_join.ddp`)
 ``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
 ``BEFORE_TRAIN_BATCH``    reset the microbatch cursor, move the buffer source off an exhausted rank
 ``BEFORE_FORWARD``        DDP sync for this microbatch (:class:`~composer_join.ddp.MicrobatchSync`);
@@ -17,7 +18,7 @@ event                     what happens
 ``AFTER_BACKWARD``        restore DDP syncing; forced_sync: zero grads where another rank has one;
                           shadow: restore buffers, keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back
-``EPOCH_END``             log the epoch's per-rank report
+``EPOCH_END``             log the epoch's per-rank report (rebalance: with bytes moved)
 ``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement)
 ``EVAL_BEFORE_FORWARD``   shadow: swap in the template; real: keep one
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out

@@ -97,6 +97,8 @@ def train(cfg: dict) -> dict[str, Any]:
     error: Optional[str] = None
     try:
         trainer.fit()
+        if cfg.get('second_fit'):  # fit() again on the same trainer: one more epoch
+            trainer.fit(duration='1ep')
     except UnevenInputsError as e:
         if not cfg.get('expect_error'):
             raise

@@ -31,6 +31,7 @@ RB_NO_DIVIDE = {'mode': 'rebalance', 'divide_by_initial_world_size': False}
 SCENARIOS: dict[str, dict] = {
     # 2 ranks
     'ratio_2_1': dict(shards=[80, 40], batch_size=8, epochs=2, join=RB),
+    'second_fit': dict(shards=[80, 40], batch_size=8, epochs=2, max_duration='1ep', second_fit=True, join=RB),
     'ratio_4_1_adam_no_divide': dict(shards=[64, 16], batch_size=8, epochs=1, optimizer='adam', join=RB_NO_DIVIDE),
     'empty_dict': dict(shards=[40, 0], batch_size=8, epochs=1, fmt='dict', join=RB),
     'tensor_batches': dict(shards=[24, 56], batch_size=8, epochs=1, fmt='tensor', join=RB),
@@ -282,7 +283,7 @@ def test_a_batch_that_cannot_be_sent_stops_every_rank_with_a_clear_error(runs):
 # -- the schedule's properties and the argument, without ranks -----------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 12), min_size=1, max_size=6))
 def test_schedule_properties(counts):
     from composer_join.rebalance import schedule

@@ -187,13 +187,21 @@ def chart(rows: list[dict], path: Path) -> None:
     colors = {'shadow': '#5a8fd6', 'rebalance': '#2e9e5b'}
     for k, method in enumerate(('shadow', 'rebalance')):
         values = [next(r['ratio'] for r in rows if (r['world'], r['case'], r['method']) == (w, c, method)) for w, c in groups]
-        ax.bar([g + (k - 0.5) * 0.38 for g in range(len(groups))], values, 0.38, label=f'UnevenJoin, {method}',
-               color=colors[method])
+        xs = [g + (k - 0.5) * 0.38 for g in range(len(groups))]
+        ax.bar(xs, values, 0.38, label=f'UnevenJoin, {method}', color=colors[method])
+        if method == 'rebalance':  # bytes moved per epoch, above each bar
+            moved = [next(r['bytes'] for r in rows if (r['world'], r['case'], r['method']) == (w, c, method))
+                     for w, c in groups]
+            for x, v, b in zip(xs, values, moved):
+                ax.annotate(f'{b / 1e6:.1f} MB', (x, v), xytext=(0, 2), textcoords='offset points', ha='center',
+                            fontsize=7)
     ax.axhline(1.0, color='black', lw=0.8)
     ax.axhline(GOAL, color='#2e9e5b', lw=0.8, ls='--', label=f'goal for rebalance ({GOAL:.2f})')
     ax.set_xticks(range(len(groups)), [f'{w} ranks\n{c}' for w, c in groups], fontsize=8)
-    ax.set(ylabel='epoch wall time / balanced ideal', title='Uneven shards: shadowing vs rebalancing')
-    ax.legend(fontsize=8)
+    ax.set(ylabel='epoch wall time / balanced ideal',
+           title='Uneven shards: shadowing vs rebalancing (labels: bytes moved per epoch)')
+    ax.set_ylim(0, 1.35 * max(r['ratio'] for r in rows))
+    ax.legend(fontsize=8, ncol=3, loc='upper center')
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

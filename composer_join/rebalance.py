@@ -32,12 +32,12 @@ every rank, so nothing hangs.
 Example (what :func:`~composer_join.loader.join_dataloader` does in ``mode='rebalance'``)::
 
     loader = RebalancingLoader(own_dataloader, counts=[10, 5], own_len=len(own_dataloader))
-    len(loader)  # 8 on both ranks: ceil(15 / 2)
+    loader.length  # 8 steps per epoch on every rank: ceil(15 / 2)
+    len(loader)    # this rank's batches: 8 on rank 0 (2 of its 10 given away), 7 on rank 1 (2 received)
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import pickle
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -49,7 +49,7 @@ from composer_join.batches import map_tensors
 from composer_join.errors import UnevenInputsError
 from composer_join.report import EpochReport
 
-__all__ = ['RebalancingLoader', 'schedule']
+__all__ = ['RebalancingLoader', 'rebalanced', 'schedule']
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class RebalancingLoader:
 
             try:
                 skeleton = map_tensors(take, batch)
-                header = _dumps((skeleton, [(tuple(t.shape), t.dtype) for t in tensors]))
+                header = pickle.dumps((skeleton, [(tuple(t.shape), t.dtype) for t in tensors]), pickle.HIGHEST_PROTOCOL)
                 status = _OK
             except Exception as e:  # e.g. something in the batch that pickle refuses
                 refused = UnevenInputsError(
@@ -282,12 +282,6 @@ class _Reader:
                 f'epoch its len() promised; the extra batches would be silently dropped. Make __len__ match what '
                 f'it yields.',
             )
-
-
-def _dumps(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    pickle.dump(obj, buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    return buffer.getvalue()
 
 
 def rebalanced(

@@ -141,7 +141,8 @@ def analyse(res: dict, s: Setup) -> list[dict[str, Any]]:
         for m in METHODS:
             last = res[f'{case}|{m}|{s.reps - 1}']
             rows.append({
-                'world': s.world, 'case': case, 'method': m, 'batches': method_batches(m, case_batches(case, s.world, s.longest)),
+                'world': s.world, 'case': case, 'method': m,
+                'batches': method_batches(m, case_batches(case, s.world, s.longest)),
                 'steps': last[0]['steps'], 'samples': last[0]['samples'], 'wall': statistics.median(walls[m]),
                 'ratio': statistics.median(walls[m]) / ideal,
                 'range': (min(walls[m]) / ideal, max(walls[m]) / ideal),
@@ -182,11 +183,13 @@ def chart(rows: list[dict], path: Path) -> None:
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
-    groups = [(w, c) for w in sorted({r['world'] for r in rows}) for c in dict.fromkeys(r['case'] for r in rows if r['world'] == w)]
+    groups = [(w, c) for w in sorted({r['world'] for r in rows})
+              for c in dict.fromkeys(r['case'] for r in rows if r['world'] == w)]
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups)), 3.8))
     colors = {'shadow': '#5a8fd6', 'rebalance': '#2e9e5b'}
     for k, method in enumerate(('shadow', 'rebalance')):
-        values = [next(r['ratio'] for r in rows if (r['world'], r['case'], r['method']) == (w, c, method)) for w, c in groups]
+        values = [next(r['ratio'] for r in rows if (r['world'], r['case'], r['method']) == (w, c, method))
+                  for w, c in groups]
         xs = [g + (k - 0.5) * 0.38 for g in range(len(groups))]
         ax.bar(xs, values, 0.38, label=f'UnevenJoin, {method}', color=colors[method])
         if method == 'rebalance':  # bytes moved per epoch, above each bar

@@ -91,7 +91,7 @@ _OK, _FAILED = 0, 1
 
 
 class RebalancingLoader:
-    """This rank's batches under the rebalancing :func:`schedule`: its own, minus those it gives, plus those it receives.
+    """This rank's batches under the rebalancing :func:`schedule`: its own, minus those it gives, plus those received.
 
     Args:
         dataloader: this rank's own dataloader; it must yield exactly ``counts[rank]`` batches

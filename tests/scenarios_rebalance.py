@@ -1,4 +1,4 @@
-"""What the ranks of tests/test_rebalance.py run: Composer fits with ``UnevenJoin(mode='rebalance')``. Not a test module."""
+"""What the ranks of tests/test_rebalance.py run: fits with ``UnevenJoin(mode='rebalance')``. Not a test module."""
 
 from __future__ import annotations
 
@@ -12,12 +12,15 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 from composer_join import ExactDistributedSampler, UnevenInputsError, UnevenJoin, is_shadow_step
-from rank_scenarios import AsksForUnusedParameters, Indexed, LogLines, ShardWithLen, ToyModel, make_loader, make_optimizer
+from rank_scenarios import (
+    AsksForUnusedParameters, Indexed, LogLines, ShardWithLen, ToyModel, make_loader, make_optimizer,
+)
 from toy import shard, unpack
 
 
 class SkewedSampler(ExactDistributedSampler):
-    """An uneven map-style sampler: the epoch's permutation (as ExactDistributedSampler shuffles it) cut into ``sizes``."""
+    """An uneven map-style sampler: rank ``r`` takes the ``r``-th of consecutive pieces of ``sizes`` samples
+    of the epoch's permutation (shuffled as ExactDistributedSampler shuffles it)."""
 
     def __init__(self, dataset, sizes: list[int], seed: int = 3):
         super().__init__(dataset, shuffle=True, seed=seed)
@@ -63,7 +66,8 @@ def _loader(cfg: dict, rank: int):
             return {'x': torch.stack([s[0] for s in samples]), 'y': torch.stack([s[1] for s in samples]),
                     'hooks': [lambda: None for _ in samples]}
 
-        return DataLoader(ShardWithLen(*shard(rank, cfg['shards'][rank])), batch_size=cfg['batch_size'], collate_fn=collate)
+        dataset = ShardWithLen(*shard(rank, cfg['shards'][rank]))
+        return DataLoader(dataset, batch_size=cfg['batch_size'], collate_fn=collate)
     if cfg.get('dataset') == 'skewed':
         dataset = Indexed(*shard(7, sum(cfg['shards'])))
         return DataLoader(dataset, batch_size=cfg['batch_size'], sampler=SkewedSampler(dataset, cfg['shards']))

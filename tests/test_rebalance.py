@@ -103,7 +103,8 @@ def shard_batches(cfg: dict, epoch: int) -> list[list[tuple]]:
             g.manual_seed(3 + epoch)
             start = sum(cfg['shards'][:r])
             ids = torch.randperm(len(y), generator=g)[start:start + cfg['shards'][r]]
-            out.append([(x[ids[i:i + b]], y[ids[i:i + b]], tuple(ids[i:i + b].tolist())) for i in range(0, len(ids), b)])
+            out.append([(x[ids[i:i + b]], y[ids[i:i + b]], tuple(ids[i:i + b].tolist()))
+                        for i in range(0, len(ids), b)])
         else:
             x, y = shard(r, cfg['shards'][r])
             out.append([(x[i:i + b], y[i:i + b], _key(x[i])) for i in range(0, len(y), b)])
@@ -135,7 +136,8 @@ def observed(cfg: dict, per_rank: list[dict]) -> list[list[list[tuple[int, int] 
     """Per epoch, per step, per rank: the ``(owner, index)`` of the batch in its ``state.batch``, None if shadow."""
     out = []
     for epoch in range(cfg['epochs']):
-        lookup = {key: (r, i) for r, batches in enumerate(shard_batches(cfg, epoch)) for i, (_, _, key) in enumerate(batches)}
+        lookup = {key: (r, i) for r, batches in enumerate(shard_batches(cfg, epoch))
+                  for i, (_, _, key) in enumerate(batches)}
         rows = [[s for s in res['steps'] if s['epoch'] == epoch] for res in per_rank]
         assert len({len(r) for r in rows}) == 1, 'ranks ran different numbers of steps'
         steps = []
@@ -275,7 +277,8 @@ def test_a_len_that_hides_batches_stops_every_rank(runs):
 
 def test_a_batch_that_cannot_be_sent_stops_every_rank_with_a_clear_error(runs):
     donor, receiver = runs['unpicklable']
-    assert donor.type == 'UnevenInputsError' and 'rank 0 cannot send the batch rank 1 is to train at step 1' in donor.message
+    assert donor.type == 'UnevenInputsError'
+    assert 'rank 0 cannot send the batch rank 1 is to train at step 1' in donor.message
     assert "use mode='shadow'" in donor.message
     assert receiver.type == 'UnevenInputsError' and 'rank 0 could not read or send' in receiver.message
 

@@ -220,8 +220,9 @@ class RebalancingLoader:
         torch.distributed.send(self.to_device(torch.frombuffer(bytearray(header), dtype=torch.uint8)), dst)
         self.bytes_sent += len(header)
         for t in tensors:
-            torch.distributed.send(t, dst)
-            self.bytes_sent += t.numel() * t.element_size()
+            if t.numel():  # an empty tensor is rebuilt from its shape alone
+                torch.distributed.send(t, dst)
+                self.bytes_sent += t.numel() * t.element_size()
         return None
 
     def _receive(self, src: int, step: int) -> Any:
@@ -241,8 +242,9 @@ class RebalancingLoader:
         received = []
         for shape, dtype in specs:
             t = self.to_device(torch.empty(shape, dtype=dtype))
-            torch.distributed.recv(t, src)
-            self.bytes_received += t.numel() * t.element_size()
+            if t.numel():
+                torch.distributed.recv(t, src)
+                self.bytes_received += t.numel() * t.element_size()
             received.append(t)
         slots = iter(received)
         return map_tensors(lambda _: next(slots), skeleton)

@@ -92,7 +92,7 @@ def fit(batches: list[int], mode: Optional[str]) -> dict[str, Any]:
     trainer = Trainer(
         model=model, train_dataloader=workloads.shard(rank, sizes), max_duration='1ep',
         optimizers=torch.optim.SGD(model.parameters(), lr=workloads.LR, momentum=0.9),
-        algorithms=[join] if join is not None else [], callbacks=[timer], loggers=[], device='cpu',
+        algorithms=[join] if join is not None else [], callbacks=[timer], loggers=[], device=workloads.DEVICE,
         progress_bar=False, log_to_console=False, seed=0,
     )
     dist.barrier()

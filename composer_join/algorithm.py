@@ -18,12 +18,13 @@ event                     what happens
 ``AFTER_BACKWARD``        restore DDP syncing; forced_sync: zero grads where another rank has one;
                           shadow: restore buffers, keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back
-``EPOCH_END``             log the epoch's per-rank report (rebalance: with bytes moved)
+``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
+                          (rebalance: with bytes moved)
 ``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement)
 ``EVAL_BEFORE_FORWARD``   shadow: swap in the template; real: keep one
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
 ``EVAL_BATCH_END``        put the eval metrics back
-``EVAL_END``              back to the train dataloader's plan
+``EVAL_END``              stop every rank if some rank could not form a batch; back to the train plan
 ========================  ======================================================================
 """
 
@@ -73,9 +74,10 @@ class UnevenJoin(Algorithm):
     the gradient applied is the mean of the per-sample loss gradients over the ``S_t`` samples,
     times ``A_t / W`` if ``divide_by_initial_world_size`` (torch's default) and times 1 otherwise.
 
-    Cost: one small collective per step (``48 * W`` bytes) to agree on who still has data, and one
-    per fit or evaluation to agree on the epoch length; a shadow step costs a two-sample forward
-    and backward.
+    Cost: one collective per fit or evaluation to agree on the epoch length. When every rank's
+    dataloader has a ``len()``, no further collective on the steps before the shortest rank's last
+    batch, and one small one (``56 * W`` bytes) on each step from there on; without a ``len()`` on
+    some rank, that small one on every step. A shadow step costs a two-sample forward and backward.
 
     Example::
 
@@ -193,6 +195,8 @@ class UnevenJoin(Algorithm):
         elif event == Event.EVAL_AFTER_FORWARD and self.is_shadow_step:
             self._stash_metrics(state.eval_metrics[state.dataloader_label])
         elif event == Event.EVAL_END:
+            if self._loader is not None:
+                self._loader.check_ended_together()
             self._loader = self._train_loader
 
     # -- starting ----------------------------------------------------------------------------------
@@ -231,7 +235,13 @@ class UnevenJoin(Algorithm):
     # -- per microbatch ----------------------------------------------------------------------------
 
     def _shadow_input(self, state: State) -> None:
-        """Shadow: feed the forward two real samples instead of the empty batch; real: keep two."""
+        """Shadow: feed the forward two real samples instead of the empty batch; real: keep two.
+
+        A model may take apart the batch it is given (``HuggingFaceModel.eval_forward`` pops
+        ``labels`` and shifts them in place), so no batch object goes to the model twice: the
+        template is a copy taken before the forward, and every shadow microbatch gets a fresh copy
+        of it (two samples, a few small tensor copies).
+        """
         label = state.dataloader_label
         if not self.is_shadow_step:
             if label not in self._templates:
@@ -239,7 +249,7 @@ class UnevenJoin(Algorithm):
             return
         if label not in self._templates:  # never had data of its own: the template other ranks sent
             self._templates[label] = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
-        state.batch = self._templates[label]
+        state.batch = first_samples(self._templates[label], TEMPLATE_SAMPLES)
         if self._guard is not None and state.model.training:
             self._guard.armed = True
 
@@ -266,6 +276,7 @@ class UnevenJoin(Algorithm):
     # -- EPOCH_END ---------------------------------------------------------------------------------
 
     def _epoch_end(self, logger: Logger) -> None:
+        self._train_loader.check_ended_together()
         report = self._train_loader.report
         if isinstance(self._train_loader.dataloader, RebalancingLoader):
             self._train_loader.dataloader.complete(report)

@@ -120,10 +120,11 @@ class RebalancingLoader:
         self.to_device = to_device
         self.bytes_sent = 0
         self.bytes_received = 0
-        self._length = sum(1 for row in self.steps if row[self.rank] is not None)
+        self.assigned = [sum(1 for row in self.steps if row[r] is not None) for r in range(len(self.counts))]
+        """Every rank's batches per epoch under the schedule, own and received."""
 
     def __len__(self) -> int:
-        return self._length
+        return self.assigned[self.rank]
 
     @property
     def length(self) -> int:
@@ -292,8 +293,11 @@ def rebalanced(
     shared: Optional[int],
     check_overflow: bool,
     to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-) -> tuple[Iterable, Optional[int], bool]:
-    """``(dataloader, shared length, check_overflow)`` for the JoinLoader, rebalanced where possible.
+) -> tuple[Iterable, Optional[int], bool, list[Optional[int]]]:
+    """``(dataloader, shared length, check_overflow, every rank's length)`` for the JoinLoader, rebalanced if possible.
+
+    The lengths are then every rank's assigned count (:attr:`RebalancingLoader.assigned`), from
+    which the JoinLoader plans the steps before the shortest one's last batch without agreeing.
 
     ``counts`` are every rank's batches per epoch (from the length agreement). If some rank's is
     unknown (an ``IterableDataset`` without ``__len__``), nobody can tell who has surplus, so this
@@ -306,9 +310,9 @@ def rebalanced(
                 "be planned ahead; falling back to shadowing (mode='shadow') for this fit.",
                 [r for r, n in enumerate(counts) if n is None],
             )
-        return dataloader, shared, check_overflow
+        return dataloader, shared, check_overflow, counts
     loader = RebalancingLoader(dataloader, counts, _len(dataloader), to_device)
-    return loader, loader.length, False
+    return loader, loader.length, False, loader.assigned
 
 
 def _len(dataloader: Iterable) -> Optional[int]:

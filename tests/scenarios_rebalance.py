@@ -11,6 +11,7 @@ from composer.loggers import InMemoryLogger
 from composer.utils import dist
 from torch.utils.data import DataLoader
 
+import devices
 from composer_join import ExactDistributedSampler, UnevenInputsError, UnevenJoin, is_shadow_step
 from rank_scenarios import (
     AsksForUnusedParameters, Indexed, LogLines, ShardWithLen, ToyModel, make_loader, make_optimizer,
@@ -51,13 +52,13 @@ class Trained(Callback):
             'epoch': int(state.timestamp.epoch),
             'shadow': is_shadow_step(state),
             'size': len(y),
-            'first_x': x[0].clone() if len(y) else None,
+            'first_x': x[0].cpu().clone() if len(y) else None,
             'ids': [int(i) for i in batch[2]] if isinstance(batch, (tuple, list)) and len(batch) == 3 else None,
             'text': list(batch['text']) if isinstance(batch, dict) and 'text' in batch else None,
         })
 
     def batch_end(self, state, logger):
-        self.params.append(torch.cat([p.detach().flatten().clone() for p in state.model.parameters()]))
+        self.params.append(torch.cat([p.detach().cpu().flatten().clone() for p in state.model.parameters()]))
 
 
 def _loader(cfg: dict, rank: int):
@@ -91,7 +92,7 @@ def train(cfg: dict) -> dict[str, Any]:
         algorithms=[join] + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
         callbacks=[trained],
         loggers=[memory],
-        device='cpu',
+        device=devices.device(),
         progress_bar=False,
         log_to_console=False,
         seed=0,
@@ -113,7 +114,7 @@ def train(cfg: dict) -> dict[str, Any]:
     ts = trainer.state.timestamp
     return {
         'error': error,
-        'params': {k: v.detach().clone() for k, v in model.module.named_parameters()},
+        'params': {k: v.detach().cpu().clone() for k, v in model.module.named_parameters()},
         'steps': trained.steps,
         'step_params': trained.params,
         'timestamp': {'batch': int(ts.batch), 'sample': int(ts.sample), 'epoch': int(ts.epoch)},

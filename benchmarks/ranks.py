@@ -6,7 +6,8 @@ Composer's launcher would give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``L
 (``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``), and a hard timeout after which every
 rank is killed. Each rank initialises one gloo process group and runs every call of ``calls`` in
 order, so that all runs of a launch share the process group. A call is ``(name, function, kwargs)``
-with ``function`` in ``workloads.py``; ``launch`` returns ``{name: [result of rank 0, rank 1, ...]}``.
+with ``function`` in ``workloads.py`` (or ``'module:function'`` for another module of benchmarks/);
+``launch`` returns ``{name: [result of rank 0, rank 1, ...]}``.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def _tails(logs, lines: int = 30) -> str:
 
 def _rank_main(spec_path: str, out_prefix: str) -> None:
     """One rank: join the process group, run the calls in order, pickle the results."""
+    import importlib
     import logging
     import warnings
 
@@ -139,7 +141,8 @@ def _rank_main(spec_path: str, out_prefix: str) -> None:
     results = {}
     for name, function, kwargs in pickle.loads(Path(spec_path).read_bytes()):
         Path(out_prefix + '.running').write_text(name)
-        results[name] = getattr(workloads, function)(**kwargs)
+        module, _, function = function.rpartition(':')  # 'function' in workloads.py, or 'module:function'
+        results[name] = getattr(importlib.import_module(module) if module else workloads, function)(**kwargs)
     Path(out_prefix + '.pkl').write_bytes(pickle.dumps(results))
     dist.barrier()  # leave together: a rank exiting while gloo still talks to it can abort the others
     torch.distributed.destroy_process_group()

@@ -40,6 +40,9 @@ first ``WARMUP_STEPS`` steps of every fit are not timed.
 3. **Scaling.** Overhead and the 4:1 and one-empty cases at 3 and 4 ranks too (more ranks than
    cores: ranks share cores, so collectives wait for the scheduler).
 
+4. **Rebalancing** (``rebalance.py``, section 3 of results.md and ``rebalance.png``): epoch wall time
+   of ``UnevenJoin(mode='rebalance')`` and of shadowing over the balanced ideal, and bytes moved.
+
 Where the time goes: at every world size, one UnevenJoin fit with its events and agreement timed
 (``workloads.event_costs``) and the bare cost of one agreement all-reduce
 (``workloads.collective_latency``).
@@ -65,6 +68,7 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import rebalance  # noqa: E402  (section 3: UnevenJoin(mode='rebalance'); light too)
 from ranks import launch  # noqa: E402  (light: no torch import in this process)
 
 ENGINE = 'Composer engine: _run_algorithms (incl. match + apply)'  # = workloads.ENGINE
@@ -633,10 +637,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.save_raw:
         args.save_raw.write_bytes(pickle.dumps(raw))
     text = markdown(info, overheads, uneven, counts, events)
+    text += '\n' + rebalance.run(args.quick, out, info['command'])  # section 3, and rebalance.png
     (out / 'results.md').write_text(text)
     write_chart(out / 'results.png', overheads, uneven)
     print(text)
-    print(f'wrote {out / "results.md"} and {out / "results.png"} in {info["seconds"]:.0f} s')
+    print(f'wrote {out / "results.md"}, {out / "results.png"} and {out / "rebalance.png"} in '
+          f'{time.perf_counter() - start:.0f} s')
     return 0
 
 

@@ -6,8 +6,9 @@ The class only routes Composer events to the pieces that do the work:
 event                     what happens
 ========================  ======================================================================
 ``FIT_START``             agree on the epoch length (longest rank's), wrap the train dataloader
-                          in a :class:`~composer_join.loader.JoinLoader`, hook DDP's buffer
-                          broadcast (:mod:`composer_join.ddp`)
+                          in a :class:`~composer_join.loader.JoinLoader` (``mode='rebalance'``:
+                          over a :class:`~composer_join.rebalance.RebalancingLoader`), hook DDP's
+                          buffer broadcast (:mod:`composer_join.ddp`)
 ``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
 ``BEFORE_TRAIN_BATCH``    reset the microbatch cursor, move the buffer source off an exhausted rank
 ``BEFORE_FORWARD``        DDP sync for this microbatch (:class:`~composer_join.ddp.MicrobatchSync`);
@@ -18,6 +19,7 @@ event                     what happens
                           shadow: restore buffers, keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
+                          (rebalance: with bytes moved)
 ``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement)
 ``EVAL_BEFORE_FORWARD``   shadow: swap in the template; real: keep one
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
@@ -42,6 +44,7 @@ from composer_join.ddp import BufferGuard, BufferSource, MicrobatchSync, broadca
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.plan import StepPlan
+from composer_join.rebalance import RebalancingLoader
 from composer_join.report import EpochReport
 from composer_join.resume import own_sample_counts, restore, snapshot, train_position
 
@@ -98,13 +101,21 @@ class UnevenJoin(Algorithm):
         throw_on_early_termination: if True, every rank raises :class:`UnevenInputsError` at the
             first training step where some rank has no batch left, before any optimizer step for
             it. (Evaluation always joins: uneven eval shards are evaluated exactly.)
+        mode: ``'shadow'`` (default): each rank trains its own batches, ranks that run out shadow.
+            ``'rebalance'``: ranks that run out are handed whole batches by ranks that still have
+            several, so an epoch lasts ``ceil(total batches / W)`` steps
+            (:mod:`composer_join.rebalance`; needs every rank's ``len()``, else it shadows).
+            Evaluation always shadows (it is exact).
     """
+
+    MODES = ('shadow', 'rebalance')
 
     def __init__(
         self,
         divide_by_initial_world_size: bool = True,
         enable: bool = True,
         throw_on_early_termination: bool = False,
+        mode: str = 'shadow',
     ):
         for name, value in (
             ('divide_by_initial_world_size', divide_by_initial_world_size),
@@ -113,13 +124,17 @@ class UnevenJoin(Algorithm):
         ):
             if not isinstance(value, bool):
                 raise TypeError(f'UnevenJoin({name}=...) must be True or False, got {value!r}')
+        if mode not in self.MODES:
+            raise ValueError(f"UnevenJoin(mode=...) must be one of {', '.join(map(repr, self.MODES))}; got {mode!r}")
+        self.mode = mode
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.enable = enable
         self.throw_on_early_termination = throw_on_early_termination
         self.reports: list[EpochReport] = []  # one per finished training epoch, the same on every rank
         self._repr = (
             f'UnevenJoin(divide_by_initial_world_size={divide_by_initial_world_size}, '
-            f'enable={enable}, throw_on_early_termination={throw_on_early_termination})'
+            f'enable={enable}, throw_on_early_termination={throw_on_early_termination}'
+            + (f', mode={mode!r})' if mode != 'shadow' else ')')
         )  # Composer formats the algorithm into a trace key at every event it runs
         self._rank = 0
         self._active: Optional[bool] = None  # decided at the first FIT_START or EVAL_START
@@ -211,8 +226,8 @@ class UnevenJoin(Algorithm):
         return self._active
 
     def _fit_start(self, state: State) -> None:
-        self._train_loader = self._loader = loader = join_dataloader(state, self._train_loader,
-                                                                    self.throw_on_early_termination)
+        self._train_loader = self._loader = loader = join_dataloader(
+            state, self._train_loader, self.throw_on_early_termination, rebalance=self.mode == 'rebalance')
         loader.position = lambda: train_position(state)
         if self._resumed_report is not None:
             loader.report, self._resumed_report = self._resumed_report, None
@@ -279,6 +294,8 @@ class UnevenJoin(Algorithm):
     def _epoch_end(self, logger: Logger) -> None:
         self._train_loader.check_ended_together()
         report = self._train_loader.report
+        if isinstance(self._train_loader.dataloader, RebalancingLoader):
+            self._train_loader.dataloader.complete(report)
         self.reports.append(report)
         logger.log_metrics(report.metrics())
         if self._rank == 0:

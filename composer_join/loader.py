@@ -42,6 +42,7 @@ from composer_join.errors import UnevenInputsError
 from composer_join.plan import (
     Agreement, RankStatus, StepPlan, agree_on_failures, agree_on_length, plan_from_lengths, steps_planned_from_lengths,
 )
+from composer_join.rebalance import RebalancingLoader, rebalanced
 from composer_join.report import EpochReport
 from composer_join.structure import describe as describe_structure, fingerprint
 from composer.core import DataSpec, State
@@ -306,23 +307,32 @@ class JoinLoader:
             log.info('rank %d has no data of its own; shaped its shadow batches after rank %d', dist.get_global_rank(), source)
 
 
-def join_dataloader(state: State, cached: Optional[JoinLoader] = None, throw: bool = False) -> JoinLoader:
+def join_dataloader(state: State, cached: Optional[JoinLoader] = None, throw: bool = False,
+                    rebalance: bool = False) -> JoinLoader:
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
     Called on every rank at the same point (fit or evaluation start): one collective to agree on
     the longest rank's length. ``cached``, a loader made earlier for the same dataloader, is reused
-    with the template it holds. ``throw`` is ``throw_on_early_termination``.
+    with the template it holds. ``throw`` is ``throw_on_early_termination``. ``rebalance``: put a
+    :class:`~composer_join.rebalance.RebalancingLoader` between the two (``mode='rebalance'``).
     """
     dataloader = state.dataloader
+    current = None if state.dataloader_len is None else int(state.dataloader_len)
     if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer
         dataloader = dataloader.dataloader
-    shared, check_overflow, own_lens = agree_on_length(
-        _len_or_none(dataloader), None if state.dataloader_len is None else int(state.dataloader_len),
-        state.device.tensor_to_device,
-    )
+    if isinstance(dataloader, RebalancingLoader):
+        dataloader, current = dataloader.dataloader, dataloader.counts[dataloader.rank]
+    own_len = _len_or_none(dataloader)
+    if rebalance and own_len is not None and current is not None:
+        own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
+    shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device)
+    lengths = own_lens
+    if rebalance:  # the lengths are then each rank's assigned batches, own and received
+        dataloader, shared, check_overflow, lengths = rebalanced(dataloader, own_lens, shared, check_overflow,
+                                                                 state.device.tensor_to_device)
     if cached is not None and cached.dataloader is dataloader:
         loader = cached
-        loader.length, loader.check_overflow, loader.lengths = shared, check_overflow, own_lens
+        loader.length, loader.check_overflow, loader.lengths = shared, check_overflow, lengths
     else:
         spec = DataSpec(dataloader)
         loader = JoinLoader(
@@ -332,7 +342,7 @@ def join_dataloader(state: State, cached: Optional[JoinLoader] = None, throw: bo
             check_overflow=check_overflow,
             throw_on_early_termination=throw,
             to_device=state.device.tensor_to_device,
-            lengths=own_lens,
+            lengths=lengths,
         )
     label = state.dataloader_label
     state.set_dataloader(loader, label, -1 if shared is None else shared)
@@ -369,6 +379,8 @@ def _has_more(batches: Iterator[Any]) -> bool:
 
 
 def _distributed_sampler(dataloader: Any) -> Optional[DistributedSampler]:
+    if isinstance(dataloader, RebalancingLoader):
+        dataloader = dataloader.dataloader
     if not isinstance(dataloader, DataLoader):
         return None
     for sampler in (dataloader.sampler, getattr(dataloader.batch_sampler, 'sampler', None)):

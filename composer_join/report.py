@@ -21,6 +21,9 @@ class EpochReport:
         batch_sizes: per rank, the sample count of each real batch, in order; ``-1`` on the steps
             planned from the ranks' lengths without an agreement (their samples are counted in
             ``real_samples`` at the first agreed step, the shortest rank's last batch).
+        own_batches, received_batches, given_batches, bytes_sent: with ``mode='rebalance'`` only
+            (empty otherwise): per rank, batches trained from its own shard, received from other
+            ranks, given to other ranks, and bytes it sent (headers included).
     """
 
     epoch: int
@@ -29,6 +32,10 @@ class EpochReport:
     real_samples: list[int] = field(default_factory=list)
     shadow_steps: list[int] = field(default_factory=list)
     batch_sizes: list[list[int]] = field(default_factory=list)
+    own_batches: list[int] = field(default_factory=list)
+    received_batches: list[int] = field(default_factory=list)
+    given_batches: list[int] = field(default_factory=list)
+    bytes_sent: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         w = self.world_size
@@ -60,14 +67,32 @@ class EpochReport:
         return max(self.real_batches, default=0)
 
     @property
+    def rebalanced(self) -> bool:
+        return bool(self.own_batches)
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes sent between ranks this epoch to rebalance (0 in ``mode='shadow'``)."""
+        return sum(self.bytes_sent)
+
+    @property
+    def shard_batches(self) -> list[int]:
+        """Per rank, the batches of its own shard (trained by it or given away)."""
+        if self.rebalanced:
+            return [o + g for o, g in zip(self.own_batches, self.given_batches)]
+        return self.real_batches
+
+    @property
     def stock_dropped_batches(self) -> int:
         """Batches stock Composer would not train: it ends every epoch at the shortest rank."""
-        shortest = min(self.real_batches, default=0)
-        return sum(n - shortest for n in self.real_batches)
+        shortest = min(self.shard_batches, default=0)
+        return sum(n - shortest for n in self.shard_batches)
 
     @property
     def stock_dropped_samples(self) -> int:
-        """Samples in those batches (-1 if some could not be counted)."""
+        """Samples in those batches (-1 if some could not be counted, or the run rebalanced batches)."""
+        if self.rebalanced:
+            return -1
         shortest = min(self.real_batches, default=0)
         tails = [s for sizes in self.batch_sizes for s in sizes[shortest:]]
         return -1 if any(s < 0 for s in tails) else sum(tails)
@@ -83,18 +108,31 @@ class EpochReport:
             out[f'uneven_join/rank_{rank}/real_batches'] = self.real_batches[rank]
             out[f'uneven_join/rank_{rank}/real_samples'] = self.real_samples[rank]
             out[f'uneven_join/rank_{rank}/shadow_steps'] = self.shadow_steps[rank]
+            if self.rebalanced:
+                out[f'uneven_join/rank_{rank}/own_batches'] = self.own_batches[rank]
+                out[f'uneven_join/rank_{rank}/received_batches'] = self.received_batches[rank]
+                out[f'uneven_join/rank_{rank}/given_batches'] = self.given_batches[rank]
+                out[f'uneven_join/rank_{rank}/bytes_sent'] = self.bytes_sent[rank]
+        if self.rebalanced:
+            out['uneven_join/bytes_moved'] = self.bytes_moved
         return out
 
     def summary(self) -> str:
         """A few lines for people: per rank, real batches, samples and shadow steps."""
         lines = [f'epoch {self.epoch}: {self.steps} steps on all ranks']
         for rank in range(self.world_size):
+            moved = (f': {self.own_batches[rank]} own, {self.received_batches[rank]} received, '
+                     f'{self.given_batches[rank]} given away' if self.rebalanced else '')
             lines.append(
-                f'  rank {rank}: {self.real_batches[rank]} real batches ({self.real_samples[rank]} samples), '
+                f'  rank {rank}: {self.real_batches[rank]} real batches ({self.real_samples[rank]} samples){moved}, '
                 f'{self.shadow_steps[rank]} shadow steps',
             )
-        lines.append(
-            f'  stock Composer would have dropped {self.stock_dropped_batches} batches '
-            f'({self.stock_dropped_samples} samples)',
-        )
+        if self.rebalanced:
+            lines.append(f'  {self.bytes_moved} bytes moved between ranks')
+            lines.append(f'  stock Composer would have dropped {self.stock_dropped_batches} batches')
+        else:
+            lines.append(
+                f'  stock Composer would have dropped {self.stock_dropped_batches} batches '
+                f'({self.stock_dropped_samples} samples)',
+            )
         return '\n'.join(lines)

@@ -6,19 +6,19 @@ The class only routes Composer events to the pieces that do the work:
 event                     what happens
 ========================  ======================================================================
 ``FIT_START``             agree on the epoch length (longest rank's), wrap the train dataloader
-                          in a :class:`~composer_join.loader.JoinLoader`, hook DDP's buffer
-                          broadcast (:mod:`composer_join.ddp`)
+                          in a :class:`~composer_join.loader.JoinLoader`, pick the wrapper's
+                          part once (:mod:`composer_join.wrapper`: DDP, FSDP1/2 or none)
 ``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
-``BEFORE_TRAIN_BATCH``    reset the microbatch cursor, move the buffer source off an exhausted rank
-``BEFORE_FORWARD``        DDP sync for this microbatch (:class:`~composer_join.ddp.MicrobatchSync`);
-                          shadow: swap the empty batch for a two-sample template, guard buffers;
+``BEFORE_TRAIN_BATCH``    wrapper: new step (DDP: microbatch cursor, buffer source)
+``BEFORE_FORWARD``        wrapper: this microbatch's sync, guard buffers if shadow; shadow (a joined
+                          rank's or an empty padding microbatch): swap in a two-sample template;
                           real: keep a template
-``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked
-``AFTER_BACKWARD``        restore DDP syncing; forced_sync: zero grads where another rank has one;
-                          shadow: restore buffers, keep train metrics out
+``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked; wrapper check
+``AFTER_BACKWARD``        wrapper: restore syncing and buffers; shadow: keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back
 ``EPOCH_END``             log the epoch's per-rank report
-``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement)
+``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement);
+                          wrapper: FSDP pads eval microbatches
 ``EVAL_BEFORE_FORWARD``   shadow: swap in the template; real: keep one
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
 ``EVAL_BATCH_END``        put the eval metrics back
@@ -35,14 +35,13 @@ from typing import Any, Optional
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
-from torch.nn.parallel import DistributedDataParallel
 
 from composer_join.batches import first_samples
-from composer_join.ddp import BufferGuard, BufferSource, MicrobatchSync, broadcast_buffers_from
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.plan import StepPlan
 from composer_join.report import EpochReport
+from composer_join.wrapper import Wrapper, wrapper_for
 
 __all__ = ['UnevenJoin', 'is_shadow_step']
 
@@ -125,10 +124,8 @@ class UnevenJoin(Algorithm):
         self._train_loader: Optional[JoinLoader] = None
         self._eval_loaders: dict[str, JoinLoader] = {}
         self._templates: dict[str, Any] = {}  # per dataloader label: two prepared samples
-        self._guard: Optional[BufferGuard] = None
-        self._source = BufferSource()
-        self._hooked: Optional[DistributedDataParallel] = None
-        self._sync = MicrobatchSync()
+        self._wrapper: Optional[Wrapper] = None  # DDP's, FSDP's or none: chosen at the first start
+        self._shadow = False  # the current microbatch is a stand-in (joined rank, or padding)
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
 
     def __repr__(self) -> str:
@@ -151,21 +148,23 @@ class UnevenJoin(Algorithm):
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event in _STARTS and not self._activate():
             return
+        if event in _STARTS and self._wrapper is None:
+            self._wrapper = wrapper_for(state, self._rank)
         if event == Event.FIT_START:
             self._fit_start(state)
         elif event == Event.EPOCH_START:
             self._train_loader.set_epoch(int(state.timestamp.epoch))
         elif event == Event.BEFORE_TRAIN_BATCH:
-            self._sync.start_step()
-            self._source.update(self.plan)
+            self._wrapper.start_step(self.plan)
         elif event == Event.BEFORE_FORWARD:
-            if isinstance(state.model, DistributedDataParallel):
-                self._sync.before_forward(state.model, self.plan, self._rank, self._loader.count(state.batch))
+            samples = self._microbatch_start(state)
+            self._wrapper.before_forward(state, self.plan, samples, self._shadow)
             self._shadow_input(state)
         elif event == Event.AFTER_LOSS:
-            factor = 0.0 if self.is_shadow_step else self.plan.grad_factor(self.divide_by_initial_world_size)
+            factor = 0.0 if self._shadow else self.plan.grad_factor(self.divide_by_initial_world_size)
             if factor != 1.0:
                 state.loss = scale_grad(state.loss, factor)
+            self._wrapper.after_loss(state, self.plan)
         elif event == Event.AFTER_BACKWARD:
             self._after_backward(state)
         elif event in (Event.AFTER_TRAIN_BATCH, Event.EVAL_BATCH_END):
@@ -175,8 +174,9 @@ class UnevenJoin(Algorithm):
         elif event == Event.EVAL_START:
             self._eval_start(state)
         elif event == Event.EVAL_BEFORE_FORWARD:
+            self._microbatch_start(state)
             self._shadow_input(state)
-        elif event == Event.EVAL_AFTER_FORWARD and self.is_shadow_step:
+        elif event == Event.EVAL_AFTER_FORWARD and self._shadow:
             self._stash_metrics(state.eval_metrics[state.dataloader_label])
         elif event == Event.EVAL_END:
             self._loader = self._train_loader
@@ -198,10 +198,7 @@ class UnevenJoin(Algorithm):
 
     def _fit_start(self, state: State) -> None:
         self._train_loader = self._loader = join_dataloader(state, self._train_loader, self.throw_on_early_termination)
-        if isinstance(state.model, DistributedDataParallel) and state.model is not self._hooked:
-            broadcast_buffers_from(state.model, lambda: self._source.rank)
-            self._guard = BufferGuard(state.model.module)
-            self._hooked = state.model
+        self._wrapper.fit_start(state, lambda: self.plan)
 
     def _eval_start(self, state: State) -> None:
         label = state.dataloader_label
@@ -210,36 +207,46 @@ class UnevenJoin(Algorithm):
             # loop removes exactly those repeats: nothing is uneven, leave it to Composer.
             self._loader = None
             return
-        self._eval_loaders[label] = self._loader = join_dataloader(state, self._eval_loaders.get(label))
+        evaluator = next((e for e in state.evaluators if e.label == label), None)
+        self._eval_loaders[label] = self._loader = join_dataloader(
+            state, self._eval_loaders.get(label),
+            microbatch_size=evaluator.device_eval_microbatch_size if evaluator is not None else None,
+        )
         self._loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
+        self._wrapper.eval_start(state)
 
     # -- per microbatch ----------------------------------------------------------------------------
+
+    def _microbatch_start(self, state: State) -> int:
+        """Whether this microbatch is a stand-in (a joined rank's, or an empty padding one); its samples."""
+        samples = self._loader.describe(state.batch)[0] if self._loader is not None else -1
+        self._shadow = self.is_shadow_step or samples == 0
+        return max(samples, 0)
 
     def _shadow_input(self, state: State) -> None:
         """Shadow: feed the forward two real samples instead of the empty batch; real: keep two."""
         label = state.dataloader_label
-        if not self.is_shadow_step:
+        if not self._shadow:
             if label not in self._templates:
                 self._templates[label] = first_samples(state.batch, TEMPLATE_SAMPLES)
             return
         if label not in self._templates:  # never had data of its own: the template other ranks sent
             self._templates[label] = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
         state.batch = self._templates[label]
-        if self._guard is not None and state.model.training:
-            self._guard.armed = True
 
     def _after_backward(self, state: State) -> None:
-        if isinstance(state.model, DistributedDataParallel):
-            self._sync.after_backward(state.model, self.plan, state.optimizers, state.device.tensor_to_device)
-        if self.is_shadow_step:
-            if self._guard is not None:
-                self._guard.restore()
-            if state.train_metrics:
-                self._stash_metrics(state.train_metrics)
+        self._wrapper.after_backward(state, self.plan, self._shadow)
+        if self._shadow and state.train_metrics:
+            self._stash_metrics(state.train_metrics)
 
     def _stash_metrics(self, metrics: dict) -> None:
-        """Empty ``metrics`` in place for this (shadow) microbatch; :meth:`_unstash_metrics` refills it."""
-        self._stashed_metrics = (metrics, dict(metrics))
+        """Empty ``metrics`` in place for this (shadow) microbatch; :meth:`_unstash_metrics` refills it.
+
+        Shadow microbatches come last in a step (padding follows the real ones), so once stashed,
+        the metrics stay out until the step or eval batch ends.
+        """
+        if self._stashed_metrics is None:
+            self._stashed_metrics = (metrics, dict(metrics))
         metrics.clear()
 
     def _unstash_metrics(self) -> None:

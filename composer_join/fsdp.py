@@ -1,0 +1,227 @@
+"""The places where UnevenJoin reaches into Composer's FSDP (torch's ``FullyShardedDataParallel`` and ``fully_shard``).
+
+Under FSDP every microbatch all-gathers each FSDP unit's parameters in the forward (and again in
+the backward) and reduce-scatters its gradients; Composer has no ``no_sync`` for FSDP. So every
+rank must run the same number of microbatches in a step, and each microbatch must give gradients
+to the same parameters on every rank. Three pieces see to that:
+
+* :class:`MicrobatchPadding`: wraps a ``DataSpec``'s ``split_batch`` so that every rank splits the
+  step into the same number of microbatches, the step's largest (each rank's count travels in
+  the step's agreement, :attr:`~composer_join.plan.RankStatus.microbatches`): a rank with fewer
+  appends empty microbatches, which UnevenJoin runs as shadow microbatches (two template samples,
+  gradient weight zero, counted as zero samples). A padding microbatch costs a two-sample forward
+  and backward with FSDP's usual all-gathers and reduce-scatters; no more memory than a real one.
+  This also fixes stock Composer's hang when ranks' batches split into different counts.
+* :class:`GradientUnits`: FSDP has no ``find_unused_parameters``. After each microbatch's loss,
+  before its backward pass, the parameters its autograd graph reaches are compared across ranks
+  (one all-reduce of one integer per gradient unit); where they differ, every rank raises
+  :class:`~composer_join.UnevenInputsError` instead of hanging in the reduce-scatter. A gradient
+  unit is an FSDP1 flat parameter (parameters unused inside a used flat parameter get zeros, so
+  FSDP1 copes with those) or an FSDP2 parameter.
+* a :class:`~composer_join.buffers.BufferGuard` on the whole model: FSDP does not broadcast
+  buffers, every rank keeps its own, so a shadow forward must simply leave this rank's untouched.
+
+:class:`FSDPWrapper` puts them behind the :class:`~composer_join.wrapper.Wrapper` interface.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+from composer.core import DataSpec, State
+from composer.utils import dist
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+from composer_join.batches import first_samples, map_tensors
+from composer_join.buffers import BufferGuard
+from composer_join.errors import UnevenInputsError
+from composer_join.plan import StepPlan
+from composer_join.wrapper import Wrapper
+
+__all__ = ['FSDPWrapper', 'GradientUnits', 'MicrobatchPadding']
+
+
+class MicrobatchPadding:
+    """Pads the microbatch list of one ``DataSpec`` to the step's largest count across ranks.
+
+    Installed once per ``DataSpec`` (:meth:`install`); every call of its ``split_batch`` then
+    splits as before and appends ``max - own`` empty microbatches (the first microbatch cut to
+    zero samples). ``plan()`` is the current step's :class:`~composer_join.plan.StepPlan`; without
+    one (no UnevenJoin step running) nothing is padded. Cost: nothing beyond the padding itself.
+
+    Example::
+
+        MicrobatchPadding.install(data_spec, lambda: algorithm.plan)
+        data_spec.split_batch(batch_of_2, 3)  # [2 samples], or [2 samples, 0 samples] if another rank has 2 microbatches
+    """
+
+    def __init__(self, split: Callable[[Any, Any], Any], plan: Callable[[], Optional[StepPlan]]):
+        self.split = split
+        self.plan = plan
+
+    @classmethod
+    def install(cls, spec: DataSpec, plan: Callable[[], Optional[StepPlan]]) -> None:
+        current = getattr(spec.split_batch, '__self__', None)
+        if isinstance(current, cls):
+            current.plan = plan
+        else:
+            spec.split_batch = cls(spec.split_batch, plan).__call__
+
+    def __call__(self, batch: Any, microbatch_size: Any) -> list:
+        microbatches = list(self.split(batch, microbatch_size))
+        plan = self.plan()
+        if plan is None or not plan.active_ranks:
+            return microbatches
+        counts = [s.microbatches for s in plan.statuses]
+        if 0 in counts:
+            raise UnevenInputsError(
+                f'under FSDP every rank must split step {plan.step} into the same number of microbatches, but the '
+                f'microbatch counts per rank {counts} could not all be predicted (0 = unknown: the batch\'s samples '
+                f'cannot be counted by Composer\'s default DataSpec, or the microbatch size is not an integer). '
+                f'Use an integer device_train_microbatch_size and batches of tensors.',
+            )
+        target = max(counts)
+        if len(microbatches) > target:
+            raise UnevenInputsError(
+                f'split_batch gave {len(microbatches)} microbatches on rank {dist.get_global_rank()} at step '
+                f'{plan.step}, more than the {target} predicted with Composer\'s default split (ceil(samples / '
+                f'microbatch size)); under FSDP UnevenJoin pads ranks to the largest predicted count, so a custom '
+                f'split_batch must split as the default does.',
+            )
+        empty = first_samples(microbatches[0], 0)
+        return microbatches + [map_tensors(lambda t: t.clone(), empty) for _ in range(target - len(microbatches))]
+
+
+class GradientUnits:
+    """The units FSDP reduces gradients by, and a per-microbatch check that every rank uses the same ones.
+
+    FSDP1: one flat parameter per FSDP instance (its reduce-scatter covers the whole flat
+    parameter, zeros where a parameter had no gradient). FSDP2: one per parameter (its
+    reduce-scatter covers only parameters with a gradient). Call :meth:`check` on every rank
+    after a microbatch's loss, before its backward. Cost: a walk over the loss's autograd graph
+    and one all-reduce of ``4 * units`` bytes per microbatch.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._fsdp1: list[tuple[str, Any]] = []  # (names, flat parameter)
+        self._fsdp2: list[tuple[str, Any]] = []  # (name, FSDPParam)
+        for module in model.modules():
+            if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
+                flat = module._handle.flat_param
+                self._fsdp1.append((', '.join(flat._fqns), flat))
+            elif isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                for fsdp_param in (group.fsdp_params if group is not None else []):
+                    self._fsdp2.append((names.get(id(fsdp_param.sharded_param), fsdp_param._param_fqn), fsdp_param))
+
+    def __len__(self) -> int:
+        return len(self._fsdp1) + len(self._fsdp2)
+
+    def _leaves(self) -> list[Any]:
+        """The tensors autograd accumulates gradients into for each unit, right now (after a forward)."""
+        leaves = [flat for _, flat in self._fsdp1]
+        leaves += [getattr(p, '_unsharded_param', None) for _, p in self._fsdp2]
+        return leaves
+
+    def check(self, loss: Any, plan: StepPlan, to_device: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        reached = _autograd_leaves(loss)
+        used = torch.tensor([leaf is not None and id(leaf) in reached for leaf in self._leaves()], dtype=torch.int32)
+        used = to_device(used)
+        dist.all_reduce(used, reduce_operation='SUM')
+        world = dist.get_world_size()
+        names = [n for n, _ in self._fsdp1] + [n for n, _ in self._fsdp2]
+        partial = [(names[i], int(c)) for i, c in enumerate(used.tolist()) if 0 < c < world]
+        if partial:
+            which = '; '.join(f'{name} (used on {count} of {world} ranks)' for name, count in partial)
+            raise UnevenInputsError(
+                f'at step {plan.step}, ranks\' microbatches give gradients to different parameters under FSDP: '
+                f'{which}. FSDP reduce-scatters the gradients of each unit on every rank and has no '
+                f'find_unused_parameters, so this would hang or mix up gradients. Every microbatch must use the same '
+                f'parameters on every rank (shadow microbatches run two samples of this rank\'s first batch): make '
+                f'the forward use every parameter (e.g. multiply an unused branch by zero instead of skipping it), '
+                f'or train this model with DDP, where UnevenJoin supports unused parameters.',
+            )
+
+
+def _autograd_leaves(loss: Any) -> set[int]:
+    """``id`` of every tensor an ``AccumulateGrad`` node of ``loss``'s graph accumulates into."""
+    roots: list[Any] = []
+    map_tensors(lambda t: roots.append(t.grad_fn) if t.grad_fn is not None else None, loss)
+    seen, found = set(), set()
+    while roots:
+        node = roots.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, 'variable', None)
+        if variable is not None:
+            found.add(id(variable))
+        roots.extend(next_fn for next_fn, _ in node.next_functions)
+    return found
+
+
+def train_data_spec(state: State) -> Optional[DataSpec]:
+    """The ``DataSpec`` the running ``Trainer`` splits train batches with, found from inside one of its events.
+
+    Composer keeps it on the ``Trainer`` (``_train_data_spec``), which algorithms are not given;
+    this looks for the ``Trainer`` whose ``state`` is ``state`` on the call stack. None if not found.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get('self')
+        if getattr(owner, 'state', None) is state and isinstance(getattr(owner, '_train_data_spec', None), DataSpec):
+            return owner._train_data_spec
+        frame = frame.f_back
+    return None
+
+
+class FSDPWrapper(Wrapper):
+    """UnevenJoin's FSDP1/FSDP2-specific part: microbatch padding, the unused-parameter check, buffer guard.
+
+    Chosen by :func:`~composer_join.wrapper.wrapper_for` when Composer sharded the model with FSDP.
+    """
+
+    def __init__(self, rank: int):
+        self._rank = rank
+        self._plan: Callable[[], Optional[StepPlan]] = lambda: None
+        self._model: Optional[torch.nn.Module] = None
+        self._guard: Optional[BufferGuard] = None
+        self._units: Optional[GradientUnits] = None
+
+    def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        self._plan = plan
+        self._attach(state)
+        spec = train_data_spec(state)
+        if spec is None:
+            raise UnevenInputsError(
+                'UnevenJoin under FSDP could not find the Trainer\'s train DataSpec to pad microbatches; it must run '
+                'inside composer.Trainer.fit()',
+            )
+        MicrobatchPadding.install(spec, plan)
+
+    def eval_start(self, state: State) -> None:
+        self._attach(state)
+        for evaluator in state.evaluators:
+            if evaluator.label == state.dataloader_label and isinstance(evaluator.dataloader, DataSpec):
+                MicrobatchPadding.install(evaluator.dataloader, self._plan)
+
+    def _attach(self, state: State) -> None:
+        if state.model is not self._model:
+            self._model = state.model
+            self._guard = BufferGuard(state.model)
+            self._units = GradientUnits(state.model)
+
+    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
+        if shadow:
+            self._guard.armed = True
+
+    def after_loss(self, state: State, plan: StepPlan) -> None:
+        if len(self._units):
+            self._units.check(state.loss, plan, state.device.tensor_to_device)
+
+    def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
+        if shadow:
+            self._guard.restore()

@@ -1,0 +1,76 @@
+"""What differs between the ways Composer wraps a model for data parallelism, behind one small interface.
+
+A joined rank runs the same training step as every other rank; what it must take care of beyond
+that depends on the wrapper around the model:
+
+==============================  ===============================  ===================================
+concern                         DDP (:mod:`composer_join.ddp`)   FSDP1 / FSDP2 (:mod:`composer_join.fsdp`)
+==============================  ===============================  ===================================
+where buffers live              rank ``source``'s, broadcast     each rank keeps its own
+                                before every synced forward
+buffers during a shadow forward snapshot after the broadcast,    snapshot before the forward,
+                                restore after the backward       restore after the backward
+uneven microbatch counts        sync each rank's last one only   pad every rank to the step's largest
+                                (:class:`MicrobatchSync`)        count with shadow microbatches
+parameters some rank's          ``find_unused_parameters`` /     checked per microbatch; stop on
+microbatch does not use         ``forced_sync`` handle them      every rank with UnevenInputsError
+==============================  ===============================  ===================================
+
+:class:`~composer_join.UnevenJoin` picks one with :func:`wrapper_for` once, at the first
+``FIT_START`` (or ``EVAL_START``), and calls it from its events, on every rank, in this order::
+
+    wrapper.fit_start(state, plan)          # FIT_START (again at every fit: must be idempotent)
+    wrapper.eval_start(state)               # EVAL_START
+    wrapper.start_step(plan)                # BEFORE_TRAIN_BATCH
+    wrapper.before_forward(state, plan, samples, shadow)   # BEFORE_FORWARD, every training microbatch
+    wrapper.after_loss(state, plan)         # AFTER_LOSS, before the backward pass
+    wrapper.after_backward(state, plan, shadow)            # AFTER_BACKWARD
+
+``shadow`` is True for a microbatch whose input is the two-sample stand-in (weighted zero).
+The base class is the wrapper for a model that is not wrapped (nothing to do).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from composer.core import State
+
+from composer_join.plan import StepPlan
+
+__all__ = ['Wrapper', 'wrapper_for']
+
+
+class Wrapper:
+    """No wrapper around the model (a single process): every hook does nothing."""
+
+    def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        """``plan()`` gives the current step's plan whenever a step or an evaluation runs."""
+
+    def eval_start(self, state: State) -> None:
+        pass
+
+    def start_step(self, plan: StepPlan) -> None:
+        pass
+
+    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
+        pass
+
+    def after_loss(self, state: State, plan: StepPlan) -> None:
+        pass
+
+    def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
+        pass
+
+
+def wrapper_for(state: State, rank: int) -> Wrapper:
+    """The :class:`Wrapper` for how Composer wrapped ``state.model``: DDP, FSDP (1 or 2), or none."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(state.model, DistributedDataParallel):
+        from composer_join.ddp import DDPWrapper
+        return DDPWrapper(rank)
+    if state.fsdp_enabled:
+        from composer_join.fsdp import FSDPWrapper
+        return FSDPWrapper(rank)
+    return Wrapper()

@@ -1,0 +1,151 @@
+"""What the ranks of tests/test_fsdp.py run: Composer training under FSDP1, FSDP2 (and DDP, to compare), with and without UnevenJoin.
+
+Not a test module. Two workarounds for running Composer's FSDP on CPU with gloo live here, and
+only here (they are facts about torch and Composer on CPU, not about composer_join):
+
+* **gloo's ``reduce_scatter_tensor`` ignores ``ReduceOp.AVG`` and sums.** FSDP2 asks for AVG for
+  fp32 gradients (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``), so on gloo its
+  gradients come out ``W`` times too large. :func:`cpu_fsdp_workarounds` emulates AVG: sum, then
+  divide by the group size. (FSDP1 divides by itself and asks for SUM, so it is unaffected.)
+* **Composer's FSDP1 passes ``device_id=torch.cuda.current_device()``** to
+  ``FullyShardedDataParallel`` (``composer/distributed/dist_strategy.py``), which fails without
+  CUDA. :func:`cpu_fsdp_workarounds` makes ``torch.cuda.current_device()`` return the CPU device.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any, Optional
+
+import torch
+import torch.distributed as tdist
+from composer import Callback, Trainer
+from composer.loggers import InMemoryLogger
+from composer.utils import FSDP2Config, dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
+from composer_join.collectives import CollectiveCounter
+from rank_scenarios import AsksForUnusedParameters, ToyModel, make_evaluator, make_loader, make_optimizer
+from toy import make_module
+
+_PATCHED = False
+
+
+def cpu_fsdp_workarounds() -> None:
+    """Make Composer's FSDP1 and FSDP2 run correctly on CPU with gloo (see the module docstring). Idempotent."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    _PATCHED = True
+    torch.cuda.current_device = lambda: torch.device('cpu')
+    summed = tdist.reduce_scatter_tensor
+
+    def reduce_scatter_tensor(output, input, op=tdist.ReduceOp.SUM, group=None, async_op=False):
+        if op != tdist.ReduceOp.AVG:
+            return summed(output, input, op=op, group=group, async_op=async_op)
+        work = summed(output, input, op=tdist.ReduceOp.SUM, group=group, async_op=False)
+        output.div_(tdist.get_world_size(group))
+        return work if async_op else None
+
+    tdist.reduce_scatter_tensor = reduce_scatter_tensor
+
+
+def parallelism(kind: Optional[str], cfg: dict) -> Optional[dict]:
+    """Composer 0.32.1's spelling of each wrapper: ``FSDP2Config`` for FSDP2, a dict (→ ``FSDPConfig``) for FSDP1."""
+    if kind == 'fsdp2':
+        return {'fsdp': FSDP2Config(state_dict_type=cfg.get('state_dict_type', 'sharded'))}
+    if kind == 'fsdp1':
+        return {'fsdp': {'sharding_strategy': 'FULL_SHARD', 'state_dict_type': cfg.get('state_dict_type', 'full')}}
+    return None  # DDP
+
+
+class Recorder(Callback):
+    def __init__(self):
+        self.shadow: list[bool] = []
+        self.losses: list[float] = []
+        self.microbatch_sizes: list[list[int]] = []
+
+    def before_train_batch(self, state, logger):
+        self.microbatch_sizes.append([])
+
+    def before_forward(self, state, logger):
+        x = state.batch[0] if isinstance(state.batch, (tuple, list)) else state.batch
+        self.microbatch_sizes[-1].append(len(x['x']) if isinstance(x, dict) else len(x))
+
+    def batch_end(self, state, logger):
+        self.shadow.append(is_shadow_step(state))
+
+
+def full_params(trainer: Trainer, kind: str) -> dict[str, torch.Tensor]:
+    """The trained parameters, whole (FSDP gathers its shards: a collective on every rank)."""
+    model = trainer.state.model
+    if isinstance(model, DistributedDataParallel):
+        return {n: p.detach().clone() for n, p in model.module.module.named_parameters()}
+    names = {n for n, _ in make_module(kind).named_parameters()}
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k[len('module.'):]: v.detach().clone() for k, v in state.items() if k[len('module.'):] in names}
+
+
+def local_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's own buffers, named as in the unwrapped toy module."""
+    module = model.module.module if isinstance(model, DistributedDataParallel) else model.module
+    return {n.replace('_fsdp_wrapped_module.', ''): b.detach().clone() for n, b in module.named_buffers()}
+
+
+def train(cfg: dict) -> dict[str, Any]:
+    """One Composer ``fit`` on this rank's shard under ``cfg['wrapper']`` (``fsdp1``, ``fsdp2`` or ``ddp``)."""
+    cpu_fsdp_workarounds()
+    rank = dist.get_global_rank()
+    kind = cfg.get('model', 'mlp')
+    model = ToyModel(kind)
+    join = UnevenJoin(**cfg['join']) if cfg.get('join') is not None else None
+    recorder, memory, counter = Recorder(), InMemoryLogger(), CollectiveCounter()
+    checkpoint = {}
+    if cfg.get('save_folder'):
+        checkpoint = dict(save_folder=cfg['save_folder'], save_interval=cfg['save_interval'], save_overwrite=True,
+                          save_num_checkpoints_to_keep=-1)
+    if cfg.get('load_path'):
+        checkpoint['load_path'] = cfg['load_path']
+    trainer = Trainer(
+        model=model,
+        train_dataloader=make_loader(cfg, rank),
+        max_duration=cfg.get('max_duration', f"{cfg.get('epochs', 1)}ep"),
+        optimizers=make_optimizer(cfg, model.parameters()),
+        algorithms=([join] if join is not None else []) + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
+        callbacks=[recorder] + ([counter] if cfg.get('count_collectives') else []),
+        loggers=[memory],
+        device='cpu',
+        progress_bar=False,
+        log_to_console=False,
+        seed=0,
+        device_train_microbatch_size=cfg.get('microbatch'),
+        parallelism_config=parallelism(cfg['wrapper'], cfg),
+        eval_dataloader=make_evaluator(cfg, rank),
+        eval_interval=cfg.get('eval_interval', 1),
+        **checkpoint,
+    )
+    error: Optional[str] = None
+    try:
+        trainer.fit()
+    except UnevenInputsError as e:
+        if not cfg.get('expect_error'):
+            raise
+        error = str(e)
+    params = full_params(trainer, kind) if error is None else {}
+    trainer.close()
+    ts = trainer.state.timestamp
+    return {
+        'error': error,
+        'params': params,
+        'buffers': local_buffers(trainer.state.model),
+        'shadow': recorder.shadow,
+        'microbatch_sizes': recorder.microbatch_sizes,
+        'timestamp': {'batch': int(ts.batch), 'sample': int(ts.sample), 'epoch': int(ts.epoch)},
+        'reports': [vars(r).copy() for r in join.reports] if join is not None else [],
+        'collectives': counter.steps,
+        'eval': {k.split('/')[-1]: [float(v) for _, v in vals] for k, vals in memory.data.items()
+                 if k.startswith('metrics/eval/')},
+        'max_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }

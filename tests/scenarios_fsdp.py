@@ -15,6 +15,7 @@ only here (they are facts about torch and Composer on CPU, not about composer_jo
 from __future__ import annotations
 
 import resource
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -28,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
 from composer_join.collectives import CollectiveCounter
 from rank_scenarios import AsksForUnusedParameters, ToyModel, make_evaluator, make_loader, make_optimizer
-from toy import make_module
+from toy import make_module, unpack
 
 _PATCHED = False
 
@@ -62,10 +63,16 @@ def parallelism(kind: Optional[str], cfg: dict) -> Optional[dict]:
 
 
 class Recorder(Callback):
+    """Per step on this rank: shadow or not, and the size of every microbatch the forward saw."""
+
     def __init__(self):
+        self.start_batch = -1
         self.shadow: list[bool] = []
         self.losses: list[float] = []
         self.microbatch_sizes: list[list[int]] = []
+
+    def fit_start(self, state, logger):
+        self.start_batch = int(state.timestamp.batch)
 
     def before_train_batch(self, state, logger):
         self.microbatch_sizes.append([])
@@ -76,6 +83,19 @@ class Recorder(Callback):
 
     def batch_end(self, state, logger):
         self.shadow.append(is_shadow_step(state))
+
+
+class FSDPToyModel(ToyModel):
+    """The toy model; ``Branchy`` gets its labels even when FSDP1 has wrapped it (``isinstance`` no longer holds)."""
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.kind = kind
+
+    def forward(self, batch):
+        x, y = unpack(batch)
+        self.forward_sizes.append(len(x))
+        return self.module(x, y) if self.kind == 'branch' else self.module(x)
 
 
 def full_params(trainer: Trainer, kind: str) -> dict[str, torch.Tensor]:
@@ -94,14 +114,14 @@ def local_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n.replace('_fsdp_wrapped_module.', ''): b.detach().clone() for n, b in module.named_buffers()}
 
 
-def train(cfg: dict) -> dict[str, Any]:
+def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
     """One Composer ``fit`` on this rank's shard under ``cfg['wrapper']`` (``fsdp1``, ``fsdp2`` or ``ddp``)."""
     cpu_fsdp_workarounds()
     rank = dist.get_global_rank()
     kind = cfg.get('model', 'mlp')
-    model = ToyModel(kind)
+    model = FSDPToyModel(kind)
     join = UnevenJoin(**cfg['join']) if cfg.get('join') is not None else None
-    recorder, memory, counter = Recorder(), InMemoryLogger(), CollectiveCounter()
+    recorder, memory, counter = recorder or Recorder(), InMemoryLogger(), CollectiveCounter()
     checkpoint = {}
     if cfg.get('save_folder'):
         checkpoint = dict(save_folder=cfg['save_folder'], save_interval=cfg['save_interval'], save_overwrite=True,
@@ -140,6 +160,7 @@ def train(cfg: dict) -> dict[str, Any]:
         'error': error,
         'params': params,
         'buffers': local_buffers(trainer.state.model),
+        'start_batch': recorder.start_batch,
         'shadow': recorder.shadow,
         'microbatch_sizes': recorder.microbatch_sizes,
         'timestamp': {'batch': int(ts.batch), 'sample': int(ts.sample), 'epoch': int(ts.epoch)},
@@ -149,3 +170,22 @@ def train(cfg: dict) -> dict[str, Any]:
                  if k.startswith('metrics/eval/')},
         'max_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+
+
+def train_resumed(cfg: dict, folder: str, batch: int) -> dict[str, Any]:
+    """``train(cfg)`` resumed (``load_path``) from the checkpoint saved after global step ``batch`` in ``folder``."""
+    found = sorted(p for p in Path(folder).iterdir() if f'ba{batch}' in p.name and 'symlink' not in p.name)
+    assert len(found) == 1, f'checkpoint for batch {batch} not found in {sorted(Path(folder).iterdir())}'
+    result = train(dict(cfg, load_path=str(found[0])))
+    result['resumed_from'] = result.pop('start_batch')
+    return result
+
+
+def train_until_timeout(cfg: dict) -> dict[str, Any]:
+    """``train(cfg)`` where a hang is expected: reports the collective timeout that ends it and the steps run before."""
+    recorder = Recorder()
+    try:
+        train(cfg, recorder)
+    except RuntimeError as e:
+        return {'timed_out': True, 'steps_completed': len(recorder.shadow), 'error': f'{type(e).__name__}: {e}'[:500]}
+    return {'timed_out': False, 'steps_completed': len(recorder.shadow), 'error': None}

@@ -50,11 +50,13 @@ class MicrobatchPadding:
     splits as before and appends ``max - own`` empty microbatches (the first microbatch cut to
     zero samples). ``plan()`` is the current step's :class:`~composer_join.plan.StepPlan`; without
     one (no UnevenJoin step running) nothing is padded. Cost: nothing beyond the padding itself.
+    A ``split_batch`` that splits into more microbatches than Composer's default would is refused
+    (``UnevenInputsError`` on that rank; the others then wait for the collective timeout).
 
     Example::
 
         MicrobatchPadding.install(data_spec, lambda: algorithm.plan)
-        data_spec.split_batch(batch_of_2, 3)  # [2 samples], or [2 samples, 0 samples] if another rank has 2 microbatches
+        data_spec.split_batch(batch_of_2, 3)  # [2 samples]; [2 samples, 0 samples] if a rank has 2 microbatches
     """
 
     def __init__(self, split: Callable[[Any, Any], Any], plan: Callable[[], Optional[StepPlan]]):
@@ -63,11 +65,11 @@ class MicrobatchPadding:
 
     @classmethod
     def install(cls, spec: DataSpec, plan: Callable[[], Optional[StepPlan]]) -> None:
-        current = getattr(spec.split_batch, '__self__', None)
-        if isinstance(current, cls):
-            current.plan = plan
+        """Pad ``spec``'s microbatches from now on (once per ``DataSpec``; again only updates ``plan``)."""
+        if isinstance(spec.split_batch, cls):
+            spec.split_batch.plan = plan
         else:
-            spec.split_batch = cls(spec.split_batch, plan).__call__
+            spec.split_batch = cls(spec.split_batch, plan)
 
     def __call__(self, batch: Any, microbatch_size: Any) -> list:
         microbatches = list(self.split(batch, microbatch_size))
@@ -90,8 +92,7 @@ class MicrobatchPadding:
                 f'microbatch size)); under FSDP UnevenJoin pads ranks to the largest predicted count, so a custom '
                 f'split_batch must split as the default does.',
             )
-        empty = first_samples(microbatches[0], 0)
-        return microbatches + [map_tensors(lambda t: t.clone(), empty) for _ in range(target - len(microbatches))]
+        return microbatches + [first_samples(microbatches[0], 0) for _ in range(target - len(microbatches))]
 
 
 class GradientUnits:

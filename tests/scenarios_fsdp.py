@@ -1,4 +1,4 @@
-"""What the ranks of tests/test_fsdp.py run: Composer training under FSDP1, FSDP2 (and DDP, to compare), with and without UnevenJoin.
+"""What the ranks of tests/test_fsdp.py run: Composer training under FSDP1, FSDP2 and DDP, with and without UnevenJoin.
 
 Not a test module. Two workarounds for running Composer's FSDP on CPU with gloo live here, and
 only here (they are facts about torch and Composer on CPU, not about composer_join):
@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
 from composer_join.collectives import CollectiveCounter
-from rank_scenarios import AsksForUnusedParameters, ToyModel, make_evaluator, make_loader, make_optimizer
+from rank_scenarios import ToyModel, make_evaluator, make_loader, make_optimizer
 from toy import make_module, unpack
 
 _PATCHED = False
@@ -133,7 +133,7 @@ def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
         train_dataloader=make_loader(cfg, rank),
         max_duration=cfg.get('max_duration', f"{cfg.get('epochs', 1)}ep"),
         optimizers=make_optimizer(cfg, model.parameters()),
-        algorithms=([join] if join is not None else []) + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
+        algorithms=[join] if join is not None else [],
         callbacks=[recorder] + ([counter] if cfg.get('count_collectives') else []),
         loggers=[memory],
         device='cpu',

@@ -148,7 +148,7 @@ class UnevenJoin(Algorithm):
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event in _STARTS and not self._activate():
             return
-        if event in _STARTS and self._wrapper is None:
+        if self._wrapper is None:  # chosen once, at the first FIT_START or EVAL_START
             self._wrapper = wrapper_for(state, self._rank)
         if event == Event.FIT_START:
             self._fit_start(state)

@@ -3,18 +3,19 @@
 A joined rank runs the same training step as every other rank; what it must take care of beyond
 that depends on the wrapper around the model:
 
-==============================  ===============================  ===================================
-concern                         DDP (:mod:`composer_join.ddp`)   FSDP1 / FSDP2 (:mod:`composer_join.fsdp`)
-==============================  ===============================  ===================================
-where buffers live              rank ``source``'s, broadcast     each rank keeps its own
-                                before every synced forward
-buffers during a shadow forward snapshot after the broadcast,    snapshot before the forward,
-                                restore after the backward       restore after the backward
-uneven microbatch counts        sync each rank's last one only   pad every rank to the step's largest
-                                (:class:`MicrobatchSync`)        count with shadow microbatches
-parameters some rank's          ``find_unused_parameters`` /     checked per microbatch; stop on
-microbatch does not use         ``forced_sync`` handle them      every rank with UnevenInputsError
-==============================  ===============================  ===================================
+* where buffers live: under DDP, on a source rank that broadcasts them before every synced
+  forward (:mod:`composer_join.ddp` moves the source off an exhausted rank); under FSDP1/FSDP2,
+  on every rank, each its own (:mod:`composer_join.fsdp`);
+* buffers during a shadow forward: snapshot (after DDP's broadcast) and restored after the
+  backward pass, by a :class:`~composer_join.buffers.BufferGuard` on the module each wrapper runs;
+* uneven microbatch counts: DDP syncs only each rank's last microbatch
+  (:class:`~composer_join.ddp.MicrobatchSync`); FSDP, which all-gathers and reduce-scatters on
+  every microbatch, pads every rank to the step's largest count with shadow microbatches
+  (:class:`~composer_join.fsdp.MicrobatchPadding`);
+* parameters some rank's microbatch does not use: DDP's ``find_unused_parameters`` and
+  ``forced_sync`` handle them; FSDP checks them per microbatch and stops every rank with
+  :class:`~composer_join.UnevenInputsError` where it would hang
+  (:class:`~composer_join.fsdp.GradientUnits`).
 
 :class:`~composer_join.UnevenJoin` picks one with :func:`wrapper_for` once, at the first
 ``FIT_START`` (or ``EVAL_START``), and calls it from its events, on every rank, in this order::

@@ -128,6 +128,7 @@ class GradientUnits:
         return leaves
 
     def check(self, loss: Any, plan: StepPlan, to_device: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Raise :class:`UnevenInputsError` on every rank if ``loss`` reaches a unit that another rank's does not."""
         reached = _autograd_leaves(loss)
         used = torch.tensor([leaf is not None and id(leaf) in reached for leaf in self._leaves()], dtype=torch.int32)
         used = to_device(used)
@@ -139,8 +140,9 @@ class GradientUnits:
             which = '; '.join(f'{name} (used on {count} of {world} ranks)' for name, count in partial)
             raise UnevenInputsError(
                 f'at step {plan.step}, ranks\' microbatches give gradients to different parameters under FSDP: '
-                f'{which}. FSDP reduce-scatters the gradients of each unit on every rank and has no '
-                f'find_unused_parameters, so this would hang or mix up gradients. Every microbatch must use the same '
+                f'{which}. FSDP reduce-scatters a gradient unit (an FSDP2 parameter, an FSDP1 flat parameter) only on '
+                f'ranks that used it and has no find_unused_parameters, so the ranks\' reduce-scatters would not '
+                f'match (a hang, a crash or mixed-up gradients). Every microbatch must use the same '
                 f'parameters on every rank (shadow microbatches run two samples of this rank\'s first batch): make '
                 f'the forward use every parameter (e.g. multiply an unused branch by zero instead of skipping it), '
                 f'or train this model with DDP, where UnevenJoin supports unused parameters.',

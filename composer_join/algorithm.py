@@ -213,7 +213,7 @@ class UnevenJoin(Algorithm):
             microbatch_size=evaluator.device_eval_microbatch_size if evaluator is not None else None,
         )
         self._loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
-        self._wrapper.eval_start(state)
+        self._wrapper.eval_start(state, lambda: self.plan)
 
     # -- per microbatch ----------------------------------------------------------------------------
 

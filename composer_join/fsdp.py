@@ -187,15 +187,12 @@ class FSDPWrapper(Wrapper):
     Chosen by :func:`~composer_join.wrapper.wrapper_for` when Composer sharded the model with FSDP.
     """
 
-    def __init__(self, rank: int):
-        self._rank = rank
-        self._plan: Callable[[], Optional[StepPlan]] = lambda: None
+    def __init__(self):
         self._model: Optional[torch.nn.Module] = None
         self._guard: Optional[BufferGuard] = None
         self._units: Optional[GradientUnits] = None
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        self._plan = plan
         self._attach(state)
         spec = train_data_spec(state)
         if spec is None:
@@ -205,11 +202,11 @@ class FSDPWrapper(Wrapper):
             )
         MicrobatchPadding.install(spec, plan)
 
-    def eval_start(self, state: State) -> None:
+    def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
         for evaluator in state.evaluators:
             if evaluator.label == state.dataloader_label and isinstance(evaluator.dataloader, DataSpec):
-                MicrobatchPadding.install(evaluator.dataloader, self._plan)
+                MicrobatchPadding.install(evaluator.dataloader, plan)
 
     def _attach(self, state: State) -> None:
         if state.model is not self._model:

@@ -21,7 +21,7 @@ that depends on the wrapper around the model:
 ``FIT_START`` (or ``EVAL_START``), and calls it from its events, on every rank, in this order::
 
     wrapper.fit_start(state, plan)          # FIT_START (again at every fit: must be idempotent)
-    wrapper.eval_start(state)               # EVAL_START
+    wrapper.eval_start(state, plan)         # EVAL_START
     wrapper.start_step(plan)                # BEFORE_TRAIN_BATCH
     wrapper.before_forward(state, plan, samples, shadow)   # BEFORE_FORWARD, every training microbatch
     wrapper.after_loss(state, plan)         # AFTER_LOSS, before the backward pass
@@ -46,10 +46,10 @@ class Wrapper:
     """No wrapper around the model (a single process): every hook does nothing."""
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        """``plan()`` gives the current step's plan whenever a step or an evaluation runs."""
+        """``plan()`` gives the current step's plan whenever a training step or an evaluation batch runs."""
 
-    def eval_start(self, state: State) -> None:
-        pass
+    def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        """As :meth:`fit_start`, for an evaluation (which may run without any fit)."""
 
     def start_step(self, plan: StepPlan) -> None:
         pass
@@ -73,5 +73,5 @@ def wrapper_for(state: State, rank: int) -> Wrapper:
         return DDPWrapper(rank)
     if state.fsdp_enabled:
         from composer_join.fsdp import FSDPWrapper
-        return FSDPWrapper(rank)
+        return FSDPWrapper()
     return Wrapper()

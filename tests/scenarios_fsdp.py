@@ -148,7 +148,10 @@ def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
     )
     error: Optional[str] = None
     try:
-        trainer.fit()
+        if cfg.get('eval_only'):
+            trainer.eval()
+        else:
+            trainer.fit()
     except UnevenInputsError as e:
         if not cfg.get('expect_error'):
             raise

@@ -43,6 +43,8 @@ for w in WRAPPERS:
                            expect_error=True),
         f'{w}_eval': dict(shards=[24, 13], batch_size=8, epochs=1, microbatch=3, wrapper=w, join=DIVIDE,
                           eval_shards=[20, 7], eval_batch_size=4, eval_microbatch=3),
+        f'{w}_eval_only': dict(shards=[8, 8], batch_size=8, wrapper=w, join=DIVIDE, eval_only=True,
+                               eval_shards=[20, 7], eval_batch_size=4, eval_microbatch=3),
         f'{w}_branch': dict(BASE, wrapper=w, model='branch', microbatch=3, join=DIVIDE, expect_error=w == 'fsdp2'),
     })
 THREE: dict[str, dict] = {}
@@ -141,8 +143,11 @@ def test_throw_on_early_termination_stops_every_rank(runs, w):
 
 
 @pytest.mark.parametrize('w', WRAPPERS)
-def test_uneven_evaluation_is_exact(runs, w):
-    name = f'{w}_eval'
+@pytest.mark.parametrize('case', ['eval', 'eval_only'])
+def test_uneven_evaluation_is_exact(runs, w, case):
+    # eval shards of 20 and 7 samples, batch 4, eval microbatch 3: a full batch is 2 microbatches, a
+    # partial one (3 samples) 1, a shadow one 1 (padded to 2); after training, or in trainer.eval() alone
+    name = f'{w}_{case}'
     cfg = SCENARIOS[name]
     per_rank = ok(runs, name)
     flat = torch.cat([p.flatten() for p in per_rank[0]['params'].values()])

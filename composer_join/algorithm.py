@@ -61,9 +61,10 @@ class UnevenJoin(Algorithm):
     Every rank trains on every batch of its own shard, every epoch. A rank that runs out *joins*:
     it keeps running Composer's real training step on a shadow batch (two samples whose gradient
     is multiplied by zero, counted as zero samples), so it takes part in every collective of the
-    step (DDP's gradient all-reduce and all of Composer's own) and takes the same optimizer step,
-    until the last rank runs out. Then the epoch ends on all ranks at the same step. Evaluation
-    works the same way: every rank evaluates every batch of its shard, shadow batches stay out of
+    step (DDP's gradient all-reduce or FSDP's all-gathers and reduce-scatters, and all of Composer's
+    own) and takes the same optimizer step, until the last rank runs out. Under FSDP, ranks with
+    fewer microbatches in a step are padded with shadow microbatches. Then the epoch ends on all
+    ranks at the same step. Evaluation works the same way: every rank evaluates every batch of its shard, shadow batches stay out of
     the metrics, so metrics equal those of one process evaluating all the data.
 
     At step ``t``, with ``A_t`` of ``W`` ranks holding real data and ``S_t`` real samples in all,

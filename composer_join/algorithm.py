@@ -64,8 +64,9 @@ class UnevenJoin(Algorithm):
     step (DDP's gradient all-reduce or FSDP's all-gathers and reduce-scatters, and all of Composer's
     own) and takes the same optimizer step, until the last rank runs out. Under FSDP, ranks with
     fewer microbatches in a step are padded with shadow microbatches. Then the epoch ends on all
-    ranks at the same step. Evaluation works the same way: every rank evaluates every batch of its shard, shadow batches stay out of
-    the metrics, so metrics equal those of one process evaluating all the data.
+    ranks at the same step. Evaluation works the same way: every rank evaluates every batch of its
+    shard, shadow batches stay out of the metrics, so metrics equal those of one process
+    evaluating all the data.
 
     At step ``t``, with ``A_t`` of ``W`` ranks holding real data and ``S_t`` real samples in all,
     the gradient applied is the mean of the per-sample loss gradients over the ``S_t`` samples,

@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench test-gpu bench-gpu clean
 
 demo: $(STAMP)
 	$(VENV)/bin/composer -n 2 examples/demo.py
@@ -15,10 +15,24 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/run.py
 
+# On GPUs (not run in CI): the distributed tests and the benchmarks with device='gpu' and NCCL, one GPU
+# per rank; scenarios with more ranks than GPUs are skipped. Both stop with a message below 2 GPUs.
+GPU_TESTS ?= tests/test_join_core.py tests/test_sync_strategies.py tests/test_evaluation.py \
+	tests/test_collective_cost.py $(wildcard tests/test_fsdp*.py)
+
+test-gpu: $(STAMP)
+	@$(VENV)/bin/python tests/devices.py 2 'make test-gpu'
+	COMPOSER_JOIN_DEVICE=gpu $(VENV)/bin/pytest $(GPU_TESTS)
+
+bench-gpu: $(STAMP)
+	@$(VENV)/bin/python tests/devices.py 2 'make bench-gpu'
+	COMPOSER_JOIN_DEVICE=gpu $(VENV)/bin/python benchmarks/run.py --out benchmarks/gpu \
+		--max-ranks $$($(VENV)/bin/python tests/devices.py --count)
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test,examples,bench]'
+	$(VENV)/bin/pip install --quiet -e '.[test,examples,bench,llmfoundry]'
 	touch $(STAMP)
 
 clean:

@@ -135,7 +135,7 @@ def _rank_main(spec_path: str, out_prefix: str) -> None:
     import workloads
 
     torch.set_num_threads(1)
-    dist.initialize_dist('cpu', timeout=120)
+    dist.initialize_dist(workloads.DEVICE, timeout=120)  # 'gpu' (NCCL) under make bench-gpu
     results = {}
     for name, function, kwargs in pickle.loads(Path(spec_path).read_bytes()):
         Path(out_prefix + '.running').write_text(name)

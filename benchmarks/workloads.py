@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import time
@@ -139,7 +140,7 @@ def shard(rank: int, sizes: list[int], pad: bool = False) -> Batches:
 
 def held_out_loss(module: nn.Module) -> float:
     """Mean cross-entropy of ``module`` (eval mode) on the held-out set."""
-    x, y = held_out()
+    x, y = (t.to(_device()) for t in held_out())
     was_training = module.training
     module.eval()
     with torch.no_grad():
@@ -184,9 +185,9 @@ class StepTimer(Callback):
 
 
 class AgreementTap:
-    """Finds UnevenJoin's per-step agreement among ``torch.distributed.all_reduce`` calls, to time or fake it.
+    """Finds UnevenJoin's agreements among ``torch.distributed.all_reduce`` calls, to time or fake it.
 
-    The agreement is recognised by its tensor alone (int64, shape ``world x 6``), so this does not
+    The agreement is recognised by its tensor alone (int64, shape ``world x 7``), so this does not
     depend on how UnevenJoin's Python is organised (synchronous or overlapped). Use as a context
     manager around a fit.
 
@@ -213,7 +214,7 @@ class AgreementTap:
 
     def _all_reduce(self, tensor, *args, **kwargs):
         world = torch.distributed.get_world_size()
-        if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.int64 and tuple(tensor.shape) == (world, 6)):
+        if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.int64 and tuple(tensor.shape) == (world, 7)):
             return self._original(tensor, *args, **kwargs)
         self.seen += 1
         if self.mode == 'fake':
@@ -254,6 +255,13 @@ class _TimedWait:
 
 # -- runs -----------------------------------------------------------------------------------------
 
+DEVICE = os.environ.get('COMPOSER_JOIN_DEVICE', 'cpu')  # 'gpu' under make bench-gpu: one GPU per rank, NCCL
+
+
+def _device() -> torch.device:
+    return torch.device('cuda', torch.cuda.current_device()) if DEVICE == 'gpu' else torch.device('cpu')
+
+
 
 def _trainer(loader, join: bool, callbacks: list, sync: Optional[str] = None, microbatch: Optional[int] = None,
              divide: bool = True):
@@ -266,7 +274,7 @@ def _trainer(loader, join: bool, callbacks: list, sync: Optional[str] = None, mi
         algorithms=[UnevenJoin(divide_by_initial_world_size=divide)] if join else [],
         callbacks=callbacks,
         loggers=[],
-        device='cpu',
+        device=DEVICE,
         progress_bar=False,
         log_to_console=False,
         seed=0,
@@ -280,7 +288,7 @@ def composer_fit(sizes: list[int], join: bool, pad: bool = False, divide: bool =
     """One Composer fit of one epoch on this rank's shard (``sizes[rank]`` samples).
 
     ``join``: with ``UnevenJoin(divide_by_initial_world_size=divide)``; ``fake_agreement``: with
-    UnevenJoin, its per-step agreement computed locally instead of communicated (an ablation, even
+    UnevenJoin, its agreements computed locally instead of communicated (an ablation, even
     shards only, see :class:`AgreementTap`); ``pad``: the padding baseline's shards (see
     :func:`shard`); ``evaluate``: compute the held-out loss (``nan`` if not).
 
@@ -319,7 +327,7 @@ def torch_join_fit(sizes: list[int], pad: bool = False) -> dict[str, Any]:
     rank's real samples (summed over ranks by ``run.py``).
     """
     rank = dist.get_global_rank()
-    module = make_module()
+    module = make_module().to(_device())
     ddp = DistributedDataParallel(module)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
     batches = shard(rank, sizes, pad)
@@ -329,6 +337,7 @@ def torch_join_fit(sizes: list[int], pad: bool = False) -> dict[str, Any]:
     last = start
     with ddp.join():
         for x, y in batches:
+            x, y = x.to(_device()), y.to(_device())
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(ddp(x), y).backward()
             optimizer.step()
@@ -460,7 +469,7 @@ def warm_up(sizes: list[int]) -> dict[str, Any]:
 
 
 def collective_latency(repeats: int = 300, late_ms: float = 10.0) -> dict[str, float]:
-    """What one gloo ``all_reduce`` of UnevenJoin's agreement tensor (``W x 6`` int64) costs on this machine.
+    """What one gloo ``all_reduce`` of UnevenJoin's agreement tensor (``W x 7`` int64) costs on this machine.
 
     * ``median``: wall time of one, back to back after a barrier (ranks already in step), median;
     * ``process_cpu`` / ``thread_cpu``: CPU time per call of the whole process / of the calling
@@ -468,7 +477,7 @@ def collective_latency(repeats: int = 300, late_ms: float = 10.0) -> dict[str, f
     * ``waiting_cpu_per_ms``: CPU the *waiting* ranks burn per millisecond of waiting, measured
       while the last rank arrives ``late_ms`` late each time (1.0 = a whole core busy-waits).
     """
-    table = torch.zeros(dist.get_world_size(), 6, dtype=torch.int64)
+    table = torch.zeros(dist.get_world_size(), 7, dtype=torch.int64, device=_device())
     times = []
     dist.barrier()
     cpu0 = (time.process_time(), time.thread_time())

@@ -16,13 +16,13 @@ event                     what happens
 ``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked; wrapper check
 ``AFTER_BACKWARD``        wrapper: restore syncing and buffers; shadow: keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back
-``EPOCH_END``             log the epoch's per-rank report
+``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
 ``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement);
                           wrapper: FSDP pads eval microbatches
 ``EVAL_BEFORE_FORWARD``   shadow: swap in the template; real: keep one
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
 ``EVAL_BATCH_END``        put the eval metrics back
-``EVAL_END``              back to the train dataloader's plan
+``EVAL_END``              stop every rank if some rank could not form a batch; back to the train plan
 ========================  ======================================================================
 """
 
@@ -72,9 +72,10 @@ class UnevenJoin(Algorithm):
     the gradient applied is the mean of the per-sample loss gradients over the ``S_t`` samples,
     times ``A_t / W`` if ``divide_by_initial_world_size`` (torch's default) and times 1 otherwise.
 
-    Cost: one small collective per step (``48 * W`` bytes) to agree on who still has data, and one
-    per fit or evaluation to agree on the epoch length; a shadow step costs a two-sample forward
-    and backward.
+    Cost: one collective per fit or evaluation to agree on the epoch length. When every rank's
+    dataloader has a ``len()``, no further collective on the steps before the shortest rank's last
+    batch, and one small one (``56 * W`` bytes) on each step from there on; without a ``len()`` on
+    some rank, that small one on every step. A shadow step costs a two-sample forward and backward.
 
     Example::
 
@@ -181,6 +182,8 @@ class UnevenJoin(Algorithm):
         elif event == Event.EVAL_AFTER_FORWARD and self._shadow:
             self._stash_metrics(state.eval_metrics[state.dataloader_label])
         elif event == Event.EVAL_END:
+            if self._loader is not None:
+                self._loader.check_ended_together()
             self._loader = self._train_loader
 
     # -- starting ----------------------------------------------------------------------------------
@@ -226,7 +229,13 @@ class UnevenJoin(Algorithm):
         return max(samples, 0)
 
     def _shadow_input(self, state: State) -> None:
-        """Shadow: feed the forward two real samples instead of the empty batch; real: keep two."""
+        """Shadow: feed the forward two real samples instead of the empty batch; real: keep two.
+
+        A model may take apart the batch it is given (``HuggingFaceModel.eval_forward`` pops
+        ``labels`` and shifts them in place), so no batch object goes to the model twice: the
+        template is a copy taken before the forward, and every shadow microbatch gets a fresh copy
+        of it (two samples, a few small tensor copies).
+        """
         label = state.dataloader_label
         if not self._shadow:
             if label not in self._templates:
@@ -234,7 +243,7 @@ class UnevenJoin(Algorithm):
             return
         if label not in self._templates:  # never had data of its own: the template other ranks sent
             self._templates[label] = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
-        state.batch = self._templates[label]
+        state.batch = first_samples(self._templates[label], TEMPLATE_SAMPLES)
 
     def _after_backward(self, state: State) -> None:
         self._wrapper.after_backward(state, self.plan, self._shadow)
@@ -260,6 +269,7 @@ class UnevenJoin(Algorithm):
     # -- EPOCH_END ---------------------------------------------------------------------------------
 
     def _epoch_end(self, logger: Logger) -> None:
+        self._train_loader.check_ended_together()
         report = self._train_loader.report
         self.reports.append(report)
         logger.log_metrics(report.metrics())

@@ -60,7 +60,9 @@ class MicrobatchSync:
     """Makes every rank issue the same gradient collectives in a step, whatever its microbatch count.
 
     * ``multi_auto_sync`` syncs every microbatch. On a step whose ranks have different microbatch
-      counts (the plan says so), only each rank's last microbatch syncs: DDP all-reduces the
+      counts, or where the others' counts are not known (a step planned from the lengths, see
+      :func:`~composer_join.plan.plan_from_lengths`: batch sizes may vary on any step, e.g. with
+      token-budget batching), only each rank's last microbatch syncs: DDP all-reduces the
       gradient accumulated over all of them, so the sum is the same, in one sync per rank.
     * ``forced_sync`` all-reduces ``p.grad`` by hand after the last microbatch, skipping ``None``
       gradients; on steps with a joined rank, or with ``find_unused_parameters``, a zero gradient

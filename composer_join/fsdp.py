@@ -59,17 +59,20 @@ class MicrobatchPadding:
         data_spec.split_batch(batch_of_2, 3)  # [2 samples]; [2 samples, 0 samples] if a rank has 2 microbatches
     """
 
-    def __init__(self, split: Callable[[Any, Any], Any], plan: Callable[[], Optional[StepPlan]]):
+    def __init__(self, split: Callable[[Any, Any], Any], plan: Callable[[], Optional[StepPlan]],
+                 to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
         self.split = split
         self.plan = plan
+        self.to_device = to_device
 
     @classmethod
-    def install(cls, spec: DataSpec, plan: Callable[[], Optional[StepPlan]]) -> None:
+    def install(cls, spec: DataSpec, plan: Callable[[], Optional[StepPlan]],
+                to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
         """Pad ``spec``'s microbatches from now on (once per ``DataSpec``; again only updates ``plan``)."""
         if isinstance(spec.split_batch, cls):
-            spec.split_batch.plan = plan
+            spec.split_batch.plan, spec.split_batch.to_device = plan, to_device
         else:
-            spec.split_batch = cls(spec.split_batch, plan)
+            spec.split_batch = cls(spec.split_batch, plan, to_device)
 
     def __call__(self, batch: Any, microbatch_size: Any) -> list:
         microbatches = list(self.split(batch, microbatch_size))
@@ -78,12 +81,11 @@ class MicrobatchPadding:
             return microbatches
         counts = [s.microbatches for s in plan.statuses]
         if 0 in counts:
-            raise UnevenInputsError(
-                f'under FSDP every rank must split step {plan.step} into the same number of microbatches, but the '
-                f'microbatch counts per rank {counts} could not all be predicted (0 = unknown: the batch\'s samples '
-                f'cannot be counted by Composer\'s default DataSpec, or the microbatch size is not an integer). '
-                f'Use an integer device_train_microbatch_size and batches of tensors.',
-            )
+            # Not all counts are known (a step planned from the lengths alone, or batches Composer's
+            # default DataSpec cannot count): every rank is here, so agree on them now (one all-reduce).
+            mine = self.to_device(torch.tensor([len(microbatches)]))
+            dist.all_reduce(mine, reduce_operation='MAX')
+            counts = [int(mine.item())]
         target = max(counts)
         if len(microbatches) > target:
             raise UnevenInputsError(
@@ -92,7 +94,22 @@ class MicrobatchPadding:
                 f'microbatch size)); under FSDP UnevenJoin pads ranks to the largest predicted count, so a custom '
                 f'split_batch must split as the default does.',
             )
-        return microbatches + [first_samples(microbatches[0], 0) for _ in range(target - len(microbatches))]
+        padding = [first_samples(microbatches[0], 0) for _ in range(target - len(microbatches))]
+        if padding and not _counts_as_empty(padding[0]):
+            raise UnevenInputsError(
+                f'rank {dist.get_global_rank()} must pad step {plan.step} with {len(padding)} empty microbatches, but '
+                f'its microbatches are not made of tensors that Composer\'s default DataSpec can count; under FSDP '
+                f'with microbatching, batches must be tensors (or tuples, lists, dicts of them).',
+            )
+        return microbatches + padding
+
+
+def _counts_as_empty(batch: Any) -> bool:
+    """Whether Composer's default ``DataSpec`` counts ``batch`` as zero samples (as UnevenJoin's shadow test does)."""
+    try:
+        return DataSpec._default_get_num_samples_in_batch(None, batch) == 0
+    except (ValueError, NotImplementedError, TypeError, AttributeError):
+        return False
 
 
 class GradientUnits:
@@ -201,13 +218,13 @@ class FSDPWrapper(Wrapper):
                 'UnevenJoin under FSDP could not find the Trainer\'s train DataSpec to pad microbatches; it must run '
                 'inside composer.Trainer.fit()',
             )
-        MicrobatchPadding.install(spec, plan)
+        MicrobatchPadding.install(spec, plan, state.device.tensor_to_device)
 
     def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
         for evaluator in state.evaluators:
             if evaluator.label == state.dataloader_label and isinstance(evaluator.dataloader, DataSpec):
-                MicrobatchPadding.install(evaluator.dataloader, plan)
+                MicrobatchPadding.install(evaluator.dataloader, plan, state.device.tensor_to_device)
 
     def _attach(self, state: State) -> None:
         if state.model is not self._model:

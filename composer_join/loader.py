@@ -4,14 +4,21 @@
 on it once per step on every rank; inside that call the loader
 
 1. fetches this rank's next batch (or notes that it has run out, or that fetching failed);
-2. agrees with all ranks on a :class:`~composer_join.plan.StepPlan` (one small collective, for
-   which it fetched the batch and started the collective during the previous ``next``, so that
+2. knows the step's :class:`~composer_join.plan.StepPlan`: on the steps before the shortest rank's
+   last batch, when every rank's dataloader has a ``len()``, from the lengths alone (every rank
+   has a batch; no collective); on the other steps by agreeing with all ranks (one small
+   collective, which it fetched the batch for and started during the previous ``next``, so that
    it overlaps that step's training);
 3. stops the epoch on every rank when no rank has data left, raises :class:`UnevenInputsError`
    on every rank when the plan says so, and otherwise yields the real batch, or, on a rank that
    has run out, a *shadow batch*: the same structure with zero samples. Composer counts a shadow
    batch as zero samples and zero tokens and splits it into one microbatch, so all of Composer's
    per-step collectives still match across ranks.
+
+A rank that cannot form its batch on a step planned from the lengths (its dataloader raised, or
+ended before its ``len()``) stops iterating: Composer's own per-step "exhausted" all-reduce ends
+the loop on every rank at that step, and :meth:`JoinLoader.check_ended_together` (at the epoch's or
+evaluation's end) then raises on every rank, the failing one with the cause.
 
 A rank that has never seen a batch (an empty shard) is sent a one-or-two sample template by the
 lowest rank with data, once, to learn the batch structure.
@@ -23,15 +30,18 @@ Example (what the algorithm does at ``Event.FIT_START`` and ``Event.EVAL_START``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from composer_join.batches import first_samples, sample_lists, to_cpu
 from composer_join.errors import UnevenInputsError
-from composer_join.plan import Agreement, RankStatus, StepPlan, agree_on_length
+from composer_join.plan import (
+    Agreement, RankStatus, StepPlan, agree_on_failures, agree_on_length, plan_from_lengths, steps_planned_from_lengths,
+)
 from composer_join.report import EpochReport
 from composer.core import DataSpec, State
 from composer.utils import dist
@@ -60,6 +70,9 @@ class JoinLoader:
         throw_on_early_termination: raise :class:`UnevenInputsError` on every rank at the first
             step where some rank has no batch, instead of shadowing.
         to_device: moves the agreement tensor to the trainer's device (``state.device.tensor_to_device``).
+        lengths: every rank's own ``len()`` (``None`` where a rank has none), as
+            :func:`~composer_join.plan.agree_on_length` returns them: the steps before the
+            shortest rank's last batch are then planned without a collective.
     """
 
     def __init__(
@@ -70,6 +83,7 @@ class JoinLoader:
         check_overflow: bool = False,
         throw_on_early_termination: bool = False,
         to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        lengths: Optional[Sequence[Optional[int]]] = None,
     ):
         self.dataloader = dataloader
         self.describe = describe
@@ -82,6 +96,17 @@ class JoinLoader:
         self._exhausted: Optional[Iterator] = None  # the iterator that ran out
         self.report = EpochReport(epoch=0, world_size=dist.get_world_size())
         self.epoch = 0
+        self.lengths = lengths
+        self.steps = 0  # steps yielded in the current epoch
+        self._ended = False  # the current epoch ended by agreement (no rank has data left)
+        self._failure: Optional[tuple[int, BaseException]] = None  # step and cause, on a step planned from lengths
+        self._unreported = 0  # own samples on steps planned from lengths, not yet sent in an agreement
+        self._rank, self._world = dist.get_global_rank(), dist.get_world_size()
+
+    @property
+    def planned_steps(self) -> int:
+        """Leading steps of every epoch planned from the lengths alone, with no collective."""
+        return steps_planned_from_lengths(self.lengths, self.length)
 
     def __len__(self) -> int:
         if self.length is None:
@@ -101,29 +126,82 @@ class JoinLoader:
 
     def __iter__(self) -> Iterator[Any]:
         batches = iter(self.dataloader)
-        self.report = EpochReport(epoch=self.epoch, world_size=dist.get_world_size())
-        step, pending = 0, self._fetch_and_agree(batches, 0)
+        self.report = EpochReport(epoch=self.epoch, world_size=self._world)
+        self.steps, self._ended, self._failure, self._unreported = 0, False, None, 0
+        planned = self.planned_steps
+        step, pending = 0, self._fetch_and_agree(batches, 0, planned)
         try:
-            while True:
+            while pending is not None:
                 batch, status, error, agreement = pending
-                plan = agreement.plan()
-                self._raise_if_needed(plan, error)
-                if not plan.active_ranks:
-                    return
-                if plan.template_source is not None:
-                    self._share_template(plan.template_source)
+                if step < planned:
+                    if not status.has_batch:  # only this rank knows: stop, and Composer stops every rank
+                        self._failure = (step, error or self._ended_before_len(step))
+                        return
+                    plan = plan_from_lengths(step, self._rank, status, self._world)
+                else:
+                    plan = (agreement or Agreement(step, status, self.to_device)).plan()
+                    self._raise_if_needed(plan, error)
+                    if not plan.active_ranks:
+                        self._ended = True
+                        return
+                    if plan.template_source is not None:
+                        self._share_template(plan.template_source)
                 self.plan = plan
                 self.report.record(plan)
-                # Fetch the next batch and start its agreement now: it completes while this step trains.
-                pending = self._fetch_and_agree(batches, step + 1)
+                # Fetch the next batch (and start its agreement) now: it completes while this step trains.
+                # With a known length Composer asks for no batch past it, so none is fetched.
+                pending = None if self.length is not None and step + 1 >= self.length else \
+                    self._fetch_and_agree(batches, step + 1, planned)
+                self.steps = step + 1
                 yield batch if status.has_batch else first_samples(self.template, 0)
                 step += 1
         finally:
             self.plan = None
 
-    def _fetch_and_agree(self, batches: Iterator[Any], step: int):
+    def _fetch_and_agree(self, batches: Iterator[Any], step: int, planned: int):
+        """Fetch step ``step``'s batch; start its agreement if it is agreed and not the first agreed step.
+
+        The first agreed step's agreement starts only when that step is asked for: a rank that cannot
+        form its batch on the last planned step stops without it, so the others must not start it early.
+        """
         batch, status, error = self._fetch(batches, step)
-        return batch, status, error, Agreement(step, status, self.to_device)
+        if step < planned:
+            if status.has_batch:  # sent with the first agreement (-1 once some batch could not be counted)
+                uncountable = min(self._unreported, status.samples) < 0
+                self._unreported = -1 if uncountable else self._unreported + status.samples
+            return batch, status, error, None
+        status, self._unreported = dataclasses.replace(status, unreported_samples=self._unreported), 0
+        return batch, status, error, Agreement(step, status, self.to_device) if step > planned else None
+
+    def check_ended_together(self) -> None:
+        """Raise on every rank if this epoch (or evaluation) ended early because some rank could not form a batch.
+
+        Call on every rank once Composer's loop over this loader has ended (``EPOCH_END``,
+        ``EVAL_END``). On a step planned from the lengths, a rank whose dataloader raises (or ends
+        before its ``len()``) stops iterating, and Composer's own per-step "exhausted" all-reduce
+        ends the loop on every rank at that step. Every rank then sees fewer steps than planned
+        and, only then, agrees on who failed (one collective) and raises: the failing rank its own
+        error, the others :class:`UnevenInputsError` naming it. Otherwise a no-op, no collective.
+        """
+        if self.length is None or self._ended or self.steps >= self.length:
+            return
+        failed = agree_on_failures(None if self._failure is None else self._failure[0], self.to_device)
+        if self._failure is not None:
+            raise self._failure[1]
+        ranks = [r for r, step in enumerate(failed) if step is not None]
+        steps = sorted({step for step in failed if step is not None})
+        raise UnevenInputsError(
+            f'rank(s) {ranks} could not form batch {", ".join(map(str, steps))} of epoch {self.epoch} (their '
+            f'dataloader raised, or ended before its len()); every rank stops here, the failing rank raises the cause',
+        )
+
+    def _ended_before_len(self, step: int) -> UnevenInputsError:
+        return UnevenInputsError(
+            f'the dataloader of rank {self._rank} ended after {step} batches, but its len() is '
+            f'{self.lengths[self._rank]}; UnevenJoin planned the steps before the shortest rank\'s last batch from '
+            f'every rank\'s len(), so the others are still training. Make __len__ of each rank\'s dataset match what '
+            f'it yields, or remove __len__ so the epoch ends when data does.',
+        )
 
     def _fetch(self, batches: Iterator[Any], step: int) -> tuple[Any, RankStatus, Optional[BaseException]]:
         """This rank's next batch (None once exhausted), its status for the agreement, and any error."""
@@ -204,7 +282,7 @@ def join_dataloader(
     )
     if cached is not None and cached.dataloader is dataloader:
         loader = cached
-        loader.length, loader.check_overflow = shared, check_overflow
+        loader.length, loader.check_overflow, loader.lengths = shared, check_overflow, own_lens
     else:
         spec = DataSpec(dataloader)
         loader = JoinLoader(
@@ -215,6 +293,7 @@ def join_dataloader(
             check_overflow=check_overflow,
             throw_on_early_termination=throw,
             to_device=state.device.tensor_to_device,
+            lengths=own_lens,
         )
     label = state.dataloader_label
     state.set_dataloader(loader, label, -1 if shared is None else shared)

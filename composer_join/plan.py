@@ -1,25 +1,31 @@
-"""The per-step agreement: which ranks still have data, and what every rank needs to know about it.
+"""The agreement on a step: which ranks still have data, and what every rank needs to know about it.
 
-Once per training step every rank contributes one row (``RankStatus``) and receives everybody's
-rows in one small ``all_reduce`` (a ``world_size x 6`` integer tensor). From the rows each rank
+On a step that needs it, every rank contributes one row (``RankStatus``) and receives everybody's
+rows in one small ``all_reduce`` (a ``world_size x 7`` integer tensor). From the rows each rank
 derives the same :class:`StepPlan`, so every decision that follows (shadow or real, gradient
 factor, buffer source, microbatch syncing, stop or go) is taken identically everywhere without
 further communication.
 
-Cost: one asynchronous collective of ``48 * world_size`` bytes per step; :class:`Agreement` starts
-it and waits only when the plan is needed, so the loader can start step ``t + 1``'s agreement
-while step ``t`` trains.
+Cost: one asynchronous collective of ``56 * world_size`` bytes per agreed step; :class:`Agreement`
+starts it and waits only when the plan is needed, so the loader can start step ``t + 1``'s
+agreement while step ``t`` trains.
+
+When every rank's dataloader has a ``len()``, the epoch-start length exchange
+(:func:`agree_on_length`) already says that every rank has a batch at each of the first
+:func:`steps_planned_from_lengths` steps; those steps get a local plan (:func:`plan_from_lengths`)
+and no collective at all. Only the steps from the shortest rank's last batch on are agreed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from composer.utils import dist
 
-__all__ = ['Agreement', 'RankStatus', 'StepPlan', 'agree_on_length']
+__all__ = ['Agreement', 'RankStatus', 'StepPlan', 'agree_on_failures', 'agree_on_length', 'plan_from_lengths',
+           'steps_planned_from_lengths']
 
 
 @dataclass(frozen=True)
@@ -32,10 +38,11 @@ class RankStatus:
     needs_template: bool = False  # has no batch and has never seen one: must be sent a template
     overflow: bool = False  # its dataloader yielded more batches than the shared length
     failed: bool = False  # its dataloader raised
+    unreported_samples: int = 0  # samples of its batches on steps planned from len() alone (-1: uncountable)
 
     def row(self) -> list[int]:
         return [int(self.has_batch), self.samples, self.microbatches,
-                int(self.needs_template), int(self.overflow), int(self.failed)]
+                int(self.needs_template), int(self.overflow), int(self.failed), self.unreported_samples]
 
 
 @dataclass(frozen=True)
@@ -45,10 +52,14 @@ class StepPlan:
     Attributes:
         step: index of the step in the epoch (``batch_in_epoch``).
         statuses: each rank's :class:`RankStatus`, indexed by rank.
+        agreed: False for a plan derived from the ranks' lengths alone (:func:`plan_from_lengths`):
+            every rank has a batch, but only this rank's own status holds its sample and
+            microbatch counts (the others' are unknown: ``-1`` samples, ``0`` microbatches).
     """
 
     step: int
     statuses: tuple[RankStatus, ...]
+    agreed: bool = True
 
     @property
     def world_size(self) -> int:
@@ -107,9 +118,50 @@ class Agreement:
         """Wait for every rank's row and return the common plan."""
         self._work.wait()
         statuses = tuple(
-            RankStatus(bool(h), int(s), int(m), bool(t), bool(o), bool(f)) for h, s, m, t, o, f in self._table.cpu().tolist()
+            RankStatus(bool(h), int(s), int(m), bool(t), bool(o), bool(f), int(u))
+            for h, s, m, t, o, f, u in self._table.cpu().tolist()
         )
         return StepPlan(step=self.step, statuses=statuses)
+
+
+def steps_planned_from_lengths(lengths: Optional[Sequence[Optional[int]]], shared: Optional[int]) -> int:
+    """How many leading steps of an epoch need no agreement: every rank has a batch there and none is at its last.
+
+    That is ``min(lengths + [shared]) - 1`` steps (never fewer than 0), and 0 when some rank's
+    length is unknown. The steps from the shortest rank's last batch on are agreed: there batches
+    may be partial or missing, microbatch counts may differ, and a ``len()`` that understates
+    shows. ``shared`` caps it when the trainer asked for fewer batches than a dataloader has.
+
+    Example:
+        >>> steps_planned_from_lengths([5, 3, 4], 5), steps_planned_from_lengths([5, None], None)
+        (2, 0)
+    """
+    if shared is None or lengths is None or any(n is None for n in lengths):
+        return 0
+    return max(0, min([*lengths, shared]) - 1)
+
+
+def plan_from_lengths(step: int, rank: int, own: RankStatus, world_size: int) -> StepPlan:
+    """The plan of a step before any rank's last batch, derived locally: every rank has a batch.
+
+    Only ``own`` (this rank's status) is known in full; the other ranks' sample and microbatch
+    counts are unknown, so :attr:`StepPlan.even_microbatches` is False: under ``multi_auto_sync``
+    every rank then syncs its gradient on its own last microbatch only, which needs no knowledge
+    of the others' counts. No communication.
+    """
+    others = RankStatus(has_batch=True)
+    return StepPlan(step, tuple(own if r == rank else others for r in range(world_size)), agreed=False)
+
+
+def agree_on_failures(failed_step: Optional[int], to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
+    """Every rank's failing step (``None`` where it did not fail): one collective, on every rank.
+
+    For the rare end of a loop that ended before its planned length because some rank could not
+    form a batch on a step planned from the lengths (see ``JoinLoader.check_ended_together``).
+    """
+    table, work = _exchange_rows([-1 if failed_step is None else failed_step], to_device)
+    work.wait()
+    return [None if v < 0 else int(v) for v in table.cpu().flatten().tolist()]
 
 
 def agree_on_length(

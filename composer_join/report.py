@@ -11,14 +11,16 @@ __all__ = ['EpochReport']
 
 @dataclass
 class EpochReport:
-    """Counts for one epoch, the same on every rank (they come from the per-step agreement).
+    """Counts for one epoch, the same on every rank (from the agreements, and the lengths for planned steps).
 
     Attributes:
         epoch: the epoch's index.
         real_batches: per rank, batches trained on real data.
         real_samples: per rank, samples in those batches (as Composer counts them; -1 if uncountable).
         shadow_steps: per rank, steps taken on a shadow batch after running out.
-        batch_sizes: per rank, the sample count of each real batch, in order.
+        batch_sizes: per rank, the sample count of each real batch, in order; ``-1`` on the steps
+            planned from the ranks' lengths without an agreement (their samples are counted in
+            ``real_samples`` at the first agreed step, the shortest rank's last batch).
     """
 
     epoch: int
@@ -36,8 +38,15 @@ class EpochReport:
         self.batch_sizes = self.batch_sizes or [[] for _ in range(w)]
 
     def record(self, plan: StepPlan) -> None:
-        """Add one step (called by the loader once per agreed step)."""
+        """Add one step (called by the loader once per step, agreed or planned from the lengths)."""
         for rank, status in enumerate(plan.statuses):
+            if not plan.agreed:  # every rank has a batch; its size reaches every rank later, as unreported_samples
+                self.real_batches[rank] += 1
+                self.batch_sizes[rank].append(-1)
+                continue
+            if status.unreported_samples != 0 and self.real_samples[rank] >= 0:
+                self.real_samples[rank] = -1 if status.unreported_samples < 0 else \
+                    self.real_samples[rank] + status.unreported_samples
             if status.has_batch:
                 self.real_batches[rank] += 1
                 self.batch_sizes[rank].append(status.samples)

@@ -9,6 +9,10 @@ launcher would give them, initialises one process group (gloo) in each, and runs
 
 Hangs fail fast: every collective times out after ``collective_timeout`` seconds, and the whole
 launch is killed after ``timeout`` seconds with an error naming the call that was running.
+
+With ``COMPOSER_JOIN_DEVICE=gpu`` (``make test-gpu``, see ``devices.py``) each rank uses its own GPU
+with NCCL; a launch with more ranks than GPUs runs nothing and returns ``NotEnoughGPUs`` for every
+call, which the tests report as skipped (NCCL cannot put two ranks on one GPU).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+import devices
 
 WORKER = Path(__file__).with_name('rank_worker.py')
 
@@ -67,6 +73,10 @@ def launch(
 
     A result is whatever the function returned, or a :class:`RankError`.
     """
+    if devices.device() == 'gpu':
+        missing = devices.too_few_gpus(world_size, f'a {world_size}-rank launch')
+        if missing is not None:
+            return {name: [RankError('NotEnoughGPUs', missing)] * world_size for name, _, _ in calls}
     with tempfile.TemporaryDirectory(prefix='composer-join-') as tmp:
         spec = Path(tmp, 'spec.pkl')
         spec.write_bytes(pickle.dumps({'calls': calls, 'collective_timeout': collective_timeout}))

@@ -22,6 +22,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
+import devices
 from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
 from composer_join.collectives import CollectiveCounter
 from composer_join.sampler import ExactDistributedSampler
@@ -165,13 +166,13 @@ class Recorder(Callback):
             self.sample_ids[-1].extend(int(i) for i in state.batch[2])
 
     def eval_start(self, state, logger):
-        self.eval_params.append(torch.cat([p.detach().flatten().clone() for p in state.model.parameters()]))
+        self.eval_params.append(torch.cat([p.detach().flatten().cpu() for p in state.model.parameters()]))
 
     def batch_start(self, state, logger):
         self.lrs.append(state.optimizers[0].param_groups[0]['lr'])
 
     def batch_end(self, state, logger):
-        self.params.append(torch.cat([p.detach().flatten().clone() for p in state.model.parameters()]))
+        self.params.append(torch.cat([p.detach().flatten().cpu() for p in state.model.parameters()]))
         self.shadow.append(is_shadow_step(state))
         metric = (state.train_metrics or {}).get('SamplesSeen')
         if metric is not None:
@@ -280,7 +281,7 @@ def train(cfg: dict) -> dict[str, Any]:
         algorithms=([join] if join is not None else []) + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
         callbacks=[recorder] + ([counter] if cfg.get('count_collectives') else []),
         loggers=[memory],
-        device='cpu',
+        device=devices.device(),
         progress_bar=False,
         log_to_console=False,
         seed=0,
@@ -306,8 +307,8 @@ def train(cfg: dict) -> dict[str, Any]:
     module = model.module
     return {
         'error': error,
-        'params': {k: v.detach().clone() for k, v in module.named_parameters()},
-        'buffers': {k: v.detach().clone() for k, v in module.named_buffers()},
+        'params': {k: v.detach().cpu().clone() for k, v in module.named_parameters()},
+        'buffers': {k: v.detach().cpu().clone() for k, v in module.named_buffers()},
         'optimizer': _flat_optimizer_state(optimizer),
         'step_params': recorder.params,
         'lrs': recorder.lrs,
@@ -329,7 +330,7 @@ def train(cfg: dict) -> dict[str, Any]:
 
 def _flat_optimizer_state(optimizer: torch.optim.Optimizer) -> torch.Tensor:
     state = optimizer.state_dict()['state']
-    tensors = [v.flatten().float() for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    tensors = [v.flatten().float().cpu() for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return torch.cat(tensors) if tensors else torch.zeros(0)
 
 
@@ -337,13 +338,15 @@ def torch_join(shards: list[int], batch_size: int, epochs: int, lr: float, divid
     """A plain training loop with torch's own ``DistributedDataParallel.join``, one ``join()`` per epoch."""
     rank = dist.get_global_rank()
     module = make_module('mlp')
+    on = torch.device('cuda', torch.cuda.current_device()) if devices.device() == 'gpu' else torch.device('cpu')
+    module.to(on)
     ddp = DistributedDataParallel(module)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-    x, y = shard(rank, shards[rank])
+    x, y = (t.to(on) for t in shard(rank, shards[rank]))
     for _ in range(epochs):
         with ddp.join(divide_by_initial_world_size=divide):
             for i in range(0, len(y), batch_size):
                 optimizer.zero_grad()
                 F.cross_entropy(ddp(x[i:i + batch_size]), y[i:i + batch_size]).backward()
                 optimizer.step()
-    return {'params': {k: v.detach().clone() for k, v in module.named_parameters()}}
+    return {'params': {k: v.detach().cpu().clone() for k, v in module.named_parameters()}}

@@ -27,6 +27,9 @@ def batches_of(cfg: dict, rank: int) -> list:
         seqs = lm_shard(rank, cfg['shards'][rank])
         return [lm_batch(seqs[i:i + b]) for i in range(0, len(seqs), b)]
     x, y = shard(rank, cfg['shards'][rank])
+    if cfg.get('batch_plan') is not None:  # per rank, the size of each batch in order (as token budgets give)
+        ends = torch.tensor(cfg['batch_plan'][rank]).cumsum(0).tolist()
+        return [(x[e - n:e], y[e - n:e]) for n, e in zip(cfg['batch_plan'][rank], ends)]
     return [(x[i:i + b], y[i:i + b]) for i in range(0, len(y), b)]
 
 

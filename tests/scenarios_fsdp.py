@@ -26,6 +26,7 @@ from composer.utils import FSDP2Config, dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
+import devices
 from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
 from composer_join.collectives import CollectiveCounter
 from rank_scenarios import ToyModel, make_evaluator, make_loader, make_optimizer
@@ -35,9 +36,12 @@ _PATCHED = False
 
 
 def cpu_fsdp_workarounds() -> None:
-    """Make Composer's FSDP1 and FSDP2 run correctly on CPU with gloo (see the module docstring). Idempotent."""
+    """Make Composer's FSDP1 and FSDP2 run correctly on CPU with gloo (see the module docstring). Idempotent.
+
+    Nothing to do on GPUs (``COMPOSER_JOIN_DEVICE=gpu``, NCCL).
+    """
     global _PATCHED
-    if _PATCHED:
+    if _PATCHED or devices.device() != 'cpu':
         return
     _PATCHED = True
     torch.cuda.current_device = lambda: torch.device('cpu')
@@ -105,7 +109,7 @@ def full_params(trainer: Trainer, kind: str) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.module.module.named_parameters()}
     names = {n for n, _ in make_module(kind).named_parameters()}
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k[len('module.'):]: v.detach().clone() for k, v in state.items() if k[len('module.'):] in names}
+    return {k[len("module."):]: v.detach().cpu().clone() for k, v in state.items() if k[len("module."):] in names}
 
 
 def local_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -136,7 +140,7 @@ def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
         algorithms=[join] if join is not None else [],
         callbacks=[recorder] + ([counter] if cfg.get('count_collectives') else []),
         loggers=[memory],
-        device='cpu',
+        device=devices.device(),
         progress_bar=False,
         log_to_console=False,
         seed=0,

@@ -26,9 +26,11 @@ for sync in STRATEGIES:
 SCENARIOS['four_ranks_multi'] = dict(shards=[30, 17, 9, 0], batch_size=6, epochs=1, microbatch=4,
                                      sync='multi_auto_sync', join=DIVIDE)
 
-# Collective counting (the first step's window also holds the second step's agreement, which the
-# loader starts one step ahead): step 1 is even, step 2 has uneven microbatch counts (8, 4, 4
-# samples), or, with a third shard of 16 samples, a shadow batch.
+# Collective counting. Every len() is known, so the steps before the shortest rank's last batch are
+# planned without an agreement; the first agreed step starts its agreement in its own window, later
+# ones a step ahead (in the previous step's window). Shards 24, 20, 20: step 1 is planned (every rank
+# has a full batch), step 2 is agreed and has uneven microbatch counts (8, 4, 4 samples). Shards 24,
+# 24, 16: step 1 is agreed (and starts step 2's agreement), step 2 is a shadow step for the third rank.
 COUNTED: dict[str, dict] = {}
 for sync in STRATEGIES[:3]:
     common = dict(batch_size=8, epochs=1, microbatch=3, sync=sync, count_collectives=True)
@@ -69,24 +71,31 @@ def grad_syncs(c: dict[str, int]) -> int:
     return c.get('ddp_grad_bucket', 0)
 
 
+def without(c: dict[str, int], *kinds: str) -> dict[str, int]:
+    return {k: v for k, v in c.items() if k not in kinds}
+
+
 @pytest.mark.parametrize('sync', STRATEGIES[:3])
 def test_collectives_per_step(runs, sync):
     stock = counts(runs, f'count_stock_{sync}', 1)
     even = counts(runs, f'count_uneven_{sync}', 1)
     uneven = counts(runs, f'count_uneven_{sync}', 2)
-    shadow = counts(runs, f'count_shadow_{sync}', 2)
-    # An even step is stock Composer's step plus the one small agreement all-reduce.
-    assert even == {**stock, 'all_reduce': stock['all_reduce'] + 1}
+    before_shadow, shadow = counts(runs, f'count_shadow_{sync}', 1), counts(runs, f'count_shadow_{sync}', 2)
+    # A step planned from the lengths issues stock Composer's collectives and no more.
+    assert without(even, 'ddp_grad_bucket') == without(stock, 'ddp_grad_bucket')
+    # An agreed step adds one small all-reduce: the first in its own window, a shadow step's in the one before.
+    assert uneven['all_reduce'] == stock['all_reduce'] + 1
     params = 4  # the MLP's parameter tensors, all in one DDP bucket
+    presence = 1 if sync == 'forced_sync' else 0  # which parameters have gradients somewhere (a rank shadows)
+    assert before_shadow['all_reduce'] + shadow['all_reduce'] == 2 * stock['all_reduce'] + 2 + presence
     if sync == 'single_auto_sync':
-        assert grad_syncs(stock) == grad_syncs(uneven) == grad_syncs(shadow) == 1
+        assert grad_syncs(stock) == grad_syncs(even) == grad_syncs(uneven) == grad_syncs(shadow) == 1
     if sync == 'multi_auto_sync':
         assert grad_syncs(stock) == 3  # one per microbatch
-        assert grad_syncs(uneven) == grad_syncs(shadow) == 1  # counts differ: only each rank's last one
+        assert grad_syncs(before_shadow) == 3  # agreed, and every rank has 3 microbatches
+        # microbatch counts differ, or are not known on a planned step: only each rank's last one
+        assert grad_syncs(even) == grad_syncs(uneven) == grad_syncs(shadow) == 1
     if sync == 'forced_sync':
         assert grad_syncs(stock) == 0 and stock['all_reduce'] == 4 + params  # Composer's manual per-parameter sync
-        assert uneven['all_reduce'] == even['all_reduce']
-        assert shadow['all_reduce'] == even['all_reduce'] + 1  # which parameters have gradients somewhere
-    for c in (uneven, shadow):
-        assert {k: v for k, v in c.items() if k not in ('all_reduce', 'ddp_grad_bucket')} == \
-            {k: v for k, v in stock.items() if k not in ('all_reduce', 'ddp_grad_bucket')}
+    for c in (even, uneven, before_shadow, shadow):
+        assert without(c, 'all_reduce', 'ddp_grad_bucket') == without(stock, 'all_reduce', 'ddp_grad_bucket')

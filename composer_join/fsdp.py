@@ -11,7 +11,9 @@ to the same parameters on every rank. Three pieces see to that:
   appends empty microbatches, which UnevenJoin runs as shadow microbatches (two template samples,
   gradient weight zero, counted as zero samples). A padding microbatch costs a two-sample forward
   and backward with FSDP's usual all-gathers and reduce-scatters; no more memory than a real one.
-  This also fixes stock Composer's hang when ranks' batches split into different counts.
+  This also fixes stock Composer's hang when ranks' batches split into different counts. On
+  steps planned from the lengths alone the other ranks' counts are unknown, so the ranks agree on
+  them there (one all-reduce of one integer).
 * :class:`GradientUnits`: FSDP has no ``find_unused_parameters``. After each microbatch's loss,
   before its backward pass, the parameters its autograd graph reaches are compared across ranks
   (one all-reduce of one integer per gradient unit); where they differ, every rank raises

@@ -7,20 +7,20 @@ event                     what happens
 ========================  ======================================================================
 ``FIT_START``             agree on the epoch length (longest rank's), wrap the train dataloader
                           in a :class:`~composer_join.loader.JoinLoader` (``mode='rebalance'``:
-                          over a :class:`~composer_join.rebalance.RebalancingLoader`), hook DDP's
-                          buffer broadcast (:mod:`composer_join.ddp`)
+                          over a :class:`~composer_join.rebalance.RebalancingLoader`), pick the
+                          wrapper's part once (:mod:`composer_join.wrapper`: DDP, FSDP1/2 or none)
 ``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
-``BEFORE_TRAIN_BATCH``    reset the microbatch cursor, move the buffer source off an exhausted rank
-``BEFORE_FORWARD``        DDP sync for this microbatch (:class:`~composer_join.ddp.MicrobatchSync`);
-                          shadow: swap the empty batch for a two-sample template, guard buffers;
+``BEFORE_TRAIN_BATCH``    wrapper: new step (DDP: microbatch cursor, buffer source)
+``BEFORE_FORWARD``        wrapper: this microbatch's sync, guard buffers if shadow; shadow (a joined
+                          rank's or an empty padding microbatch): swap in a two-sample template;
                           real: keep a template
-``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked
-``AFTER_BACKWARD``        restore DDP syncing; forced_sync: zero grads where another rank has one;
-                          shadow: restore buffers, keep train metrics out
+``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked; wrapper check
+``AFTER_BACKWARD``        wrapper: restore syncing and buffers; shadow: keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
                           (rebalance: with bytes moved)
-``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement)
+``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement);
+                          wrapper: FSDP pads eval microbatches
 ``EVAL_BEFORE_FORWARD``   shadow: swap in the template; real: keep one
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
 ``EVAL_BATCH_END``        put the eval metrics back
@@ -37,16 +37,15 @@ from typing import Any, Optional
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
-from torch.nn.parallel import DistributedDataParallel
 
 from composer_join.batches import first_samples
-from composer_join.ddp import BufferGuard, BufferSource, MicrobatchSync, broadcast_buffers_from
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.plan import StepPlan
 from composer_join.rebalance import RebalancingLoader
 from composer_join.report import EpochReport
 from composer_join.resume import own_sample_counts, restore, snapshot, train_position
+from composer_join.wrapper import Wrapper, wrapper_for
 
 __all__ = ['UnevenJoin', 'is_shadow_step']
 
@@ -66,10 +65,12 @@ class UnevenJoin(Algorithm):
     Every rank trains on every batch of its own shard, every epoch. A rank that runs out *joins*:
     it keeps running Composer's real training step on a shadow batch (two samples whose gradient
     is multiplied by zero, counted as zero samples), so it takes part in every collective of the
-    step (DDP's gradient all-reduce and all of Composer's own) and takes the same optimizer step,
-    until the last rank runs out. Then the epoch ends on all ranks at the same step. Evaluation
-    works the same way: every rank evaluates every batch of its shard, shadow batches stay out of
-    the metrics, so metrics equal those of one process evaluating all the data.
+    step (DDP's gradient all-reduce or FSDP's all-gathers and reduce-scatters, and all of Composer's
+    own) and takes the same optimizer step, until the last rank runs out. Under FSDP, ranks with
+    fewer microbatches in a step are padded with shadow microbatches. Then the epoch ends on all
+    ranks at the same step. Evaluation works the same way: every rank evaluates every batch of its
+    shard, shadow batches stay out of the metrics, so metrics equal those of one process
+    evaluating all the data.
 
     At step ``t``, with ``A_t`` of ``W`` ranks holding real data and ``S_t`` real samples in all,
     the gradient applied is the mean of the per-sample loss gradients over the ``S_t`` samples,
@@ -142,12 +143,11 @@ class UnevenJoin(Algorithm):
         self._train_loader: Optional[JoinLoader] = None
         self._eval_loaders: dict[str, JoinLoader] = {}
         self._templates: dict[str, Any] = {}  # per dataloader label: two prepared samples
-        self._guard: Optional[BufferGuard] = None
-        self._source = BufferSource()
-        self._hooked: Optional[DistributedDataParallel] = None
-        self._sync = MicrobatchSync()
+        self._wrapper: Optional[Wrapper] = None  # DDP's, FSDP's or none: chosen at the first start
+        self._shadow = False  # the current microbatch is a stand-in (joined rank, or padding)
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
         self._resumed_report: Optional[EpochReport] = None  # the checkpoint's partial epoch, until FIT_START
+        self._wrapper_state: dict[str, Any] = {}  # the checkpoint's wrapper state, until the wrapper exists
 
     def __repr__(self) -> str:
         return self._repr
@@ -164,13 +164,16 @@ class UnevenJoin(Algorithm):
         return plan is not None and not plan.has_batch(self._rank)
 
     def state_dict(self) -> dict[str, Any]:
-        """Saved in Composer checkpoints: the epoch reports (the current one partial) and the buffer source rank."""
+        """Saved in Composer checkpoints: the epoch reports (the current one partial) and the wrapper's state."""
         current = self._train_loader.report if self._train_loader is not None else self._resumed_report
-        return {**super().state_dict(), **snapshot(self.reports, current, self._source.rank)}
+        wrapper = self._wrapper.state_dict() if self._wrapper is not None else self._wrapper_state
+        return {**super().state_dict(), **snapshot(self.reports, current, wrapper)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Called by Composer when it loads a checkpoint (``load_path``, ``autoresume``), before ``fit``."""
-        self.reports, self._resumed_report, self._source.rank = restore(state)
+        self.reports, self._resumed_report, self._wrapper_state = restore(state)
+        if self._wrapper is not None:
+            self._wrapper.load_state_dict(self._wrapper_state)
 
     def match(self, event: Event, state: State) -> bool:
         return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
@@ -178,21 +181,24 @@ class UnevenJoin(Algorithm):
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event in _STARTS and not self._activate():
             return
+        if self._wrapper is None:  # chosen once, at the first FIT_START or EVAL_START
+            self._wrapper = wrapper_for(state, self._rank)
+            self._wrapper.load_state_dict(self._wrapper_state)
         if event == Event.FIT_START:
             self._fit_start(state)
         elif event == Event.EPOCH_START:
             self._train_loader.set_epoch(int(state.timestamp.epoch))
         elif event == Event.BEFORE_TRAIN_BATCH:
-            self._sync.start_step()
-            self._source.update(self.plan)
+            self._wrapper.start_step(self.plan)
         elif event == Event.BEFORE_FORWARD:
-            if isinstance(state.model, DistributedDataParallel):
-                self._sync.before_forward(state.model, self.plan, self._rank, self._loader.count(state.batch))
+            samples = self._microbatch_start(state)
+            self._wrapper.before_forward(state, self.plan, samples, self._shadow)
             self._shadow_input(state)
         elif event == Event.AFTER_LOSS:
-            factor = 0.0 if self.is_shadow_step else self.plan.grad_factor(self.divide_by_initial_world_size)
+            factor = 0.0 if self._shadow else self.plan.grad_factor(self.divide_by_initial_world_size)
             if factor != 1.0:
                 state.loss = scale_grad(state.loss, factor)
+            self._wrapper.after_loss(state, self.plan)
         elif event == Event.AFTER_BACKWARD:
             self._after_backward(state)
         elif event in (Event.AFTER_TRAIN_BATCH, Event.EVAL_BATCH_END):
@@ -202,8 +208,9 @@ class UnevenJoin(Algorithm):
         elif event == Event.EVAL_START:
             self._eval_start(state)
         elif event == Event.EVAL_BEFORE_FORWARD:
+            self._microbatch_start(state)
             self._shadow_input(state)
-        elif event == Event.EVAL_AFTER_FORWARD and self.is_shadow_step:
+        elif event == Event.EVAL_AFTER_FORWARD and self._shadow:
             self._stash_metrics(state.eval_metrics[state.dataloader_label])
         elif event == Event.EVAL_END:
             if self._loader is not None:
@@ -233,10 +240,7 @@ class UnevenJoin(Algorithm):
             loader.report, self._resumed_report = self._resumed_report, None
         # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader.
         own_sample_counts(state._dataset_of(state.train_dataloader), loader.own_samples)
-        if isinstance(state.model, DistributedDataParallel) and state.model is not self._hooked:
-            broadcast_buffers_from(state.model, lambda: self._source.rank)
-            self._guard = BufferGuard(state.model.module)
-            self._hooked = state.model
+        self._wrapper.fit_start(state, lambda: self.plan)
 
     def _eval_start(self, state: State) -> None:
         label = state.dataloader_label
@@ -245,10 +249,21 @@ class UnevenJoin(Algorithm):
             # loop removes exactly those repeats: nothing is uneven, leave it to Composer.
             self._loader = None
             return
-        self._eval_loaders[label] = self._loader = join_dataloader(state, self._eval_loaders.get(label))
+        evaluator = next((e for e in state.evaluators if e.label == label), None)
+        self._eval_loaders[label] = self._loader = join_dataloader(
+            state, self._eval_loaders.get(label),
+            microbatch_size=evaluator.device_eval_microbatch_size if evaluator is not None else None,
+        )
         self._loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
+        self._wrapper.eval_start(state, lambda: self.plan)
 
     # -- per microbatch ----------------------------------------------------------------------------
+
+    def _microbatch_start(self, state: State) -> int:
+        """Whether this microbatch is a stand-in (a joined rank's, or an empty padding one); its samples."""
+        samples = self._loader.describe(state.batch)[0] if self._loader is not None else -1
+        self._shadow = self.is_shadow_step or samples == 0
+        return max(samples, 0)
 
     def _shadow_input(self, state: State) -> None:
         """Shadow: feed the forward two real samples instead of the empty batch; real: keep two.
@@ -259,28 +274,27 @@ class UnevenJoin(Algorithm):
         of it (two samples, a few small tensor copies).
         """
         label = state.dataloader_label
-        if not self.is_shadow_step:
+        if not self._shadow:
             if label not in self._templates:
                 self._templates[label] = first_samples(state.batch, TEMPLATE_SAMPLES)
             return
         if label not in self._templates:  # never had data of its own: the template other ranks sent
             self._templates[label] = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
         state.batch = first_samples(self._templates[label], TEMPLATE_SAMPLES)
-        if self._guard is not None and state.model.training:
-            self._guard.armed = True
 
     def _after_backward(self, state: State) -> None:
-        if isinstance(state.model, DistributedDataParallel):
-            self._sync.after_backward(state.model, self.plan, state.optimizers, state.device.tensor_to_device)
-        if self.is_shadow_step:
-            if self._guard is not None:
-                self._guard.restore()
-            if state.train_metrics:
-                self._stash_metrics(state.train_metrics)
+        self._wrapper.after_backward(state, self.plan, self._shadow)
+        if self._shadow and state.train_metrics:
+            self._stash_metrics(state.train_metrics)
 
     def _stash_metrics(self, metrics: dict) -> None:
-        """Empty ``metrics`` in place for this (shadow) microbatch; :meth:`_unstash_metrics` refills it."""
-        self._stashed_metrics = (metrics, dict(metrics))
+        """Empty ``metrics`` in place for this (shadow) microbatch; :meth:`_unstash_metrics` refills it.
+
+        Shadow microbatches come last in a step (padding follows the real ones), so once stashed,
+        the metrics stay out until the step or eval batch ends.
+        """
+        if self._stashed_metrics is None:
+            self._stashed_metrics = (metrics, dict(metrics))
         metrics.clear()
 
     def _unstash_metrics(self) -> None:

@@ -18,8 +18,9 @@ class CollectiveCounter(Callback):
 
     A diagnostic: every rank must issue the same collectives in every step, or the run hangs.
     Python-level ``torch.distributed`` calls are counted by wrapping them for the duration of the
-    fit; DDP's gradient bucket all-reduces (issued from C++) by a DDP communication hook that does
-    what DDP's default does. A step's window runs from the previous step's ``BATCH_END`` (or the
+    fit (FSDP1 and FSDP2 issue theirs, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``,
+    from Python too); DDP's gradient bucket all-reduces (issued from C++) by a DDP communication
+    hook that does what DDP's default does. A step's window runs from the previous step's ``BATCH_END`` (or the
     epoch start) to its own ``BATCH_END``, so it includes the dataloader fetch. Cost: a dict update
     per collective; it replaces any DDP communication hook.
 
@@ -31,8 +32,8 @@ class CollectiveCounter(Callback):
         counter.steps[3]  # e.g. {'all_reduce': 5, 'broadcast': 1, 'ddp_grad_bucket': 1}
     """
 
-    KINDS = ('all_reduce', 'broadcast', 'all_gather', 'all_gather_into_tensor', 'broadcast_object_list',
-             'all_gather_object', 'barrier', '_broadcast_coalesced')
+    KINDS = ('all_reduce', 'broadcast', 'all_gather', 'all_gather_into_tensor', 'reduce_scatter_tensor',
+             'broadcast_object_list', 'all_gather_object', 'barrier', '_broadcast_coalesced')
 
     def __init__(self):
         self.total: dict[str, int] = {}

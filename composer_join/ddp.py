@@ -5,26 +5,29 @@
   own join does, the broadcast must come from a rank that still has data. This registers a buffer
   hook that runs DDP's own coalesced broadcast, from the rank a callable names. Same collectives,
   same cost, one different source.
-* :class:`BufferGuard`: a shadow forward must not fold the stand-in batch into the model's buffers.
-  A forward pre-hook on the wrapped module snapshots all buffers (after DDP's broadcast) when
-  armed; :meth:`BufferGuard.restore` copies them back once the backward pass no longer needs them.
-  Cost when armed: two copies of the buffers; when not armed, one attribute check per forward.
+* a shadow forward must not fold the stand-in batch into the model's buffers: a
+  :class:`~composer_join.buffers.BufferGuard` on the wrapped module snapshots them after DDP's
+  broadcast and restores them after the backward pass.
 * :class:`MicrobatchSync`: every rank must issue the same gradient collectives in a step, even
   when ranks split it into different numbers of microbatches.
+* :class:`DDPWrapper`: the three above behind the :class:`~composer_join.wrapper.Wrapper` interface.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from composer.core import State
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
+from composer_join.buffers import BufferGuard
 from composer_join.gradients import share_grad_presence
 from composer_join.plan import StepPlan
+from composer_join.wrapper import Wrapper
 
-__all__ = ['BufferGuard', 'BufferSource', 'MicrobatchSync', 'broadcast_buffers_from']
+__all__ = ['BufferSource', 'DDPWrapper', 'MicrobatchSync', 'broadcast_buffers_from']
 
 
 def broadcast_buffers_from(ddp: DistributedDataParallel, source_rank: Callable[[], int]) -> None:
@@ -51,42 +54,6 @@ class BufferSource:
     def update(self, plan: StepPlan) -> None:
         if not plan.has_batch(self.rank) and plan.active_ranks:
             self.rank = plan.active_ranks[-1]
-
-
-class BufferGuard:
-    """Keeps one module's buffers unchanged through the forward passes run while :attr:`armed`.
-
-    The owner arms it before a forward pass and calls :meth:`restore` after the backward pass
-    (autograd may still need the buffers as the forward left them, e.g. BatchNorm's).
-
-    Example:
-        >>> import torch
-        >>> bn = torch.nn.BatchNorm1d(3)
-        >>> guard = BufferGuard(bn)
-        >>> guard.armed = True
-        >>> bn(torch.randn(4, 3) + 10).sum().backward()
-        >>> guard.restore()
-        >>> bn.running_mean.tolist()
-        [0.0, 0.0, 0.0]
-    """
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-        self.armed = False
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        module.register_forward_pre_hook(self._snapshot)
-
-    def _snapshot(self, _module, _args) -> None:
-        if self.armed and not self._saved:
-            self._saved = [(b, b.detach().clone()) for b in self.module.buffers()]
-
-    def restore(self) -> None:
-        """Put back the buffers saved at the first forward since arming, and disarm."""
-        with torch.no_grad():
-            for buffer, value in self._saved:
-                buffer.copy_(value)
-        self._saved = []
-        self.armed = False
 
 
 class MicrobatchSync:
@@ -139,3 +106,44 @@ class MicrobatchSync:
         if self.manual and (ddp.find_unused_parameters or plan.joined_ranks):
             share_grad_presence(optimizers, to_device)
         self.manual = False
+
+
+class DDPWrapper(Wrapper):
+    """UnevenJoin's DDP-specific part: buffer broadcast source, buffer guard, per-microbatch gradient sync.
+
+    Chosen by :func:`~composer_join.wrapper.wrapper_for` when ``state.model`` is a
+    ``DistributedDataParallel``. Hooks are installed once per DDP object, at its first ``FIT_START``.
+    """
+
+    def __init__(self, rank: int):
+        self._rank = rank
+        self._source = BufferSource()
+        self._sync = MicrobatchSync()
+        self._guard: Optional[BufferGuard] = None
+        self._hooked: Optional[DistributedDataParallel] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {'buffer_source': self._source.rank}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._source.rank = int(state.get('buffer_source', 0))
+
+    def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        if state.model is not self._hooked:
+            broadcast_buffers_from(state.model, lambda: self._source.rank)
+            self._guard = BufferGuard(state.model.module)
+            self._hooked = state.model
+
+    def start_step(self, plan: StepPlan) -> None:
+        self._sync.start_step()
+        self._source.update(plan)
+
+    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
+        self._sync.before_forward(state.model, plan, self._rank, samples)
+        if shadow and self._guard is not None:
+            self._guard.armed = True
+
+    def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
+        self._sync.after_backward(state.model, plan, state.optimizers, state.device.tensor_to_device)
+        if shadow and self._guard is not None:
+            self._guard.restore()

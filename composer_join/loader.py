@@ -307,14 +307,18 @@ class JoinLoader:
             log.info('rank %d has no data of its own; shaped its shadow batches after rank %d', dist.get_global_rank(), source)
 
 
-def join_dataloader(state: State, cached: Optional[JoinLoader] = None, throw: bool = False,
-                    rebalance: bool = False) -> JoinLoader:
+def join_dataloader(
+    state: State, cached: Optional[JoinLoader] = None, throw: bool = False, microbatch_size: Any = None,
+    rebalance: bool = False,
+) -> JoinLoader:
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
     Called on every rank at the same point (fit or evaluation start): one collective to agree on
     the longest rank's length. ``cached``, a loader made earlier for the same dataloader, is reused
-    with the template it holds. ``throw`` is ``throw_on_early_termination``. ``rebalance``: put a
-    :class:`~composer_join.rebalance.RebalancingLoader` between the two (``mode='rebalance'``).
+    with the template it holds. ``throw`` is ``throw_on_early_termination``. Microbatch counts are
+    predicted with ``microbatch_size`` (an evaluator's), by default the train microbatch size.
+    ``rebalance``: put a :class:`~composer_join.rebalance.RebalancingLoader` between the two
+    (``mode='rebalance'``).
     """
     dataloader = state.dataloader
     current = None if state.dataloader_len is None else int(state.dataloader_len)
@@ -337,7 +341,8 @@ def join_dataloader(state: State, cached: Optional[JoinLoader] = None, throw: bo
         spec = DataSpec(dataloader)
         loader = JoinLoader(
             dataloader,
-            describe=lambda batch: _describe(spec, batch, state.device_train_microbatch_size),
+            describe=lambda batch: _describe(
+                spec, batch, state.device_train_microbatch_size if microbatch_size is None else microbatch_size),
             length=shared,
             check_overflow=check_overflow,
             throw_on_early_termination=throw,

@@ -21,7 +21,7 @@ expects the global count: it is left as it is.
 What :class:`~composer_join.UnevenJoin` saves (:func:`snapshot`) and loads (:func:`restore`): the
 finished epochs' reports, the current epoch's partial report (so the report after a resume
 counts every step trained in that epoch, before and after the checkpoint, and none spun past)
-and the rank DDP broadcasts buffers from. All of it is the same on every rank.
+and the wrapper's state (under DDP: the rank it broadcasts buffers from). All of it is the same on every rank.
 
 Example::
 
@@ -91,18 +91,18 @@ def _splits_globally(dataset: Any) -> bool:
     return streaming is not None and isinstance(dataset, getattr(streaming, 'StreamingDataset', ()))
 
 
-def snapshot(reports: list[EpochReport], current: Optional[EpochReport], source_rank: int) -> dict[str, Any]:
+def snapshot(reports: list[EpochReport], current: Optional[EpochReport], wrapper: dict[str, Any]) -> dict[str, Any]:
     """What UnevenJoin puts in its ``state_dict``: plain data, the same on every rank."""
     return {
         'reports': [copy.deepcopy(vars(r)) for r in reports],
         'current': None if current is None else copy.deepcopy(vars(current)),
-        'buffer_source': source_rank,
+        'wrapper': copy.deepcopy(wrapper),
     }
 
 
-def restore(saved: dict[str, Any]) -> tuple[list[EpochReport], Optional[EpochReport], int]:
-    """The inverse of :func:`snapshot`: ``(reports, current report, buffer source rank)``."""
+def restore(saved: dict[str, Any]) -> tuple[list[EpochReport], Optional[EpochReport], dict[str, Any]]:
+    """The inverse of :func:`snapshot`: ``(reports, current report, the wrapper's state)``."""
     current = saved.get('current')
     return ([EpochReport(**r) for r in saved.get('reports', [])],
             None if current is None else EpochReport(**current),
-            int(saved.get('buffer_source', 0)))
+            dict(saved.get('wrapper', {})))

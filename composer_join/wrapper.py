@@ -1,0 +1,86 @@
+"""What differs between the ways Composer wraps a model for data parallelism, behind one small interface.
+
+A joined rank runs the same training step as every other rank; what it must take care of beyond
+that depends on the wrapper around the model:
+
+* where buffers live: under DDP, on a source rank that broadcasts them before every synced
+  forward (:mod:`composer_join.ddp` moves the source off an exhausted rank); under FSDP1/FSDP2,
+  on every rank, each its own (:mod:`composer_join.fsdp`);
+* buffers during a shadow forward: snapshot (after DDP's broadcast) and restored after the
+  backward pass, by a :class:`~composer_join.buffers.BufferGuard` on the module each wrapper runs;
+* uneven microbatch counts: DDP syncs only each rank's last microbatch
+  (:class:`~composer_join.ddp.MicrobatchSync`); FSDP, which all-gathers and reduce-scatters on
+  every microbatch, pads every rank to the step's largest count with shadow microbatches
+  (:class:`~composer_join.fsdp.MicrobatchPadding`);
+* parameters some rank's microbatch does not use: DDP's ``find_unused_parameters`` and
+  ``forced_sync`` handle them; FSDP checks them per microbatch and stops every rank with
+  :class:`~composer_join.UnevenInputsError` where it would hang
+  (:class:`~composer_join.fsdp.GradientUnits`).
+
+:class:`~composer_join.UnevenJoin` picks one with :func:`wrapper_for` once, at the first
+``FIT_START`` (or ``EVAL_START``), and calls it from its events, on every rank, in this order::
+
+    wrapper.load_state_dict(saved)          # once chosen: what a checkpoint held ({} if none)
+    wrapper.state_dict()                    # whenever Composer saves a checkpoint
+    wrapper.fit_start(state, plan)          # FIT_START (again at every fit: must be idempotent)
+    wrapper.eval_start(state, plan)         # EVAL_START
+    wrapper.start_step(plan)                # BEFORE_TRAIN_BATCH
+    wrapper.before_forward(state, plan, samples, shadow)   # BEFORE_FORWARD, every training microbatch
+    wrapper.after_loss(state, plan)         # AFTER_LOSS, before the backward pass
+    wrapper.after_backward(state, plan, shadow)            # AFTER_BACKWARD
+
+``shadow`` is True for a microbatch whose input is the two-sample stand-in (weighted zero).
+The base class is the wrapper for a model that is not wrapped (nothing to do).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from composer.core import State
+
+from composer_join.plan import StepPlan
+
+__all__ = ['Wrapper', 'wrapper_for']
+
+
+class Wrapper:
+    """No wrapper around the model (a single process): every hook does nothing."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What must survive a checkpoint (plain data, the same on every rank); part of UnevenJoin's state_dict."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Called once the wrapper is chosen, with what :meth:`state_dict` saved (``{}`` without a checkpoint)."""
+
+    def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        """``plan()`` gives the current step's plan whenever a training step or an evaluation batch runs."""
+
+    def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        """As :meth:`fit_start`, for an evaluation (which may run without any fit)."""
+
+    def start_step(self, plan: StepPlan) -> None:
+        pass
+
+    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
+        pass
+
+    def after_loss(self, state: State, plan: StepPlan) -> None:
+        pass
+
+    def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
+        pass
+
+
+def wrapper_for(state: State, rank: int) -> Wrapper:
+    """The :class:`Wrapper` for how Composer wrapped ``state.model``: DDP, FSDP (1 or 2), or none."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(state.model, DistributedDataParallel):
+        from composer_join.ddp import DDPWrapper
+        return DDPWrapper(rank)
+    if state.fsdp_enabled:
+        from composer_join.fsdp import FSDPWrapper
+        return FSDPWrapper()
+    return Wrapper()

@@ -1,0 +1,224 @@
+"""UnevenJoin under Composer's FSDP1 and FSDP2, microbatching included, on real ranks (gloo, CPU).
+
+Every scenario trains through Composer's ``Trainer`` (tests/scenarios_fsdp.py, which also holds the
+two CPU-only workarounds for FSDP on gloo) and is compared with the single-process reference
+(tests/reference.py; tests/reference_fsdp.py for BatchNorm, whose buffers FSDP does not broadcast)
+and with the same run under DDP. All scenarios of one world size share one process group; the
+stock-Composer hang runs in its own short launch, with a short collective timeout, since a hang
+breaks the process group it happens in.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import reference
+import reference_fsdp
+from harness import RankError, launch
+from test_join_core import DIVIDE, NO_DIVIDE, ok
+
+TOL = 1e-6  # against the reference and against DDP, for models without BatchNorm
+BN_TOL = 1e-5  # BatchNorm on 2-3 sample microbatches amplifies rounding: the float32 reference is 1.9e-6 from float64's
+WRAPPERS = ['fsdp1', 'fsdp2']
+BASE = dict(shards=[40, 21], batch_size=8, epochs=2)
+
+SCENARIOS: dict[str, dict] = {
+    'ddp_sgd': dict(BASE, wrapper='ddp', join=DIVIDE),
+    'ddp_microbatch': dict(BASE, wrapper='ddp', microbatch=3, optimizer='adam', join=NO_DIVIDE),
+}
+for w in WRAPPERS:
+    SCENARIOS.update({
+        f'{w}_sgd': dict(BASE, wrapper=w, join=DIVIDE),
+        # 40 = 5 x 8 and 21 = 8 + 8 + 5: with microbatches of 3, steps split 3/3, 3/2 and 3/1 (shadow)
+        f'{w}_microbatch': dict(BASE, wrapper=w, microbatch=3, optimizer='adam', join=NO_DIVIDE),
+        # the configuration on which stock Composer hangs (test_stock_composer_fsdp_hangs_on_uneven_microbatch_counts)
+        f'{w}_fixes_stock_hang': dict(shards=[24, 21], batch_size=8, epochs=1, microbatch=3, wrapper=w, join=DIVIDE),
+        f'{w}_batchnorm': dict(BASE, wrapper=w, model='bn', microbatch=3, join=DIVIDE),
+        f'{w}_batchnorm_rank0_short': dict(shards=[13, 40], batch_size=8, epochs=1, wrapper=w, model='bn', join=DIVIDE),
+        f'{w}_throw': dict(BASE, wrapper=w, microbatch=3, join={'throw_on_early_termination': True},
+                           expect_error=True),
+        f'{w}_eval': dict(shards=[24, 13], batch_size=8, epochs=1, microbatch=3, wrapper=w, join=DIVIDE,
+                          eval_shards=[20, 7], eval_batch_size=4, eval_microbatch=3),
+        f'{w}_eval_only': dict(shards=[8, 8], batch_size=8, wrapper=w, join=DIVIDE, eval_only=True,
+                               eval_shards=[20, 7], eval_batch_size=4, eval_microbatch=3),
+        f'{w}_branch': dict(BASE, wrapper=w, model='branch', microbatch=3, join=DIVIDE, expect_error=w == 'fsdp2'),
+    })
+THREE: dict[str, dict] = {}
+for w in WRAPPERS:
+    THREE.update({
+        f'{w}_empty_shard': dict(shards=[20, 0, 13], batch_size=4, epochs=2, microbatch=3, wrapper=w, join=DIVIDE),
+        f'{w}_three_ranks': dict(shards=[40, 21, 13], batch_size=8, epochs=2, microbatch=3, wrapper=w,
+                                 optimizer='adam', join=NO_DIVIDE),
+    })
+
+# Collectives per step, 2 ranks, batch 8, microbatch 3 (3 microbatches on a full batch). Step 2 of
+# 'uneven' has 8 and 4 samples (3 and 2 microbatches); step 2 of 'shadow' has a shadow rank.
+COUNTED: dict[str, dict] = {}
+for w in WRAPPERS:
+    common = dict(batch_size=8, epochs=1, microbatch=3, wrapper=w, count_collectives=True)
+    COUNTED[f'{w}_count_stock'] = dict(common, shards=[16, 16], join=None)
+    COUNTED[f'{w}_count_uneven'] = dict(common, shards=[24, 20], join=DIVIDE)
+    COUNTED[f'{w}_count_shadow'] = dict(common, shards=[24, 16], join=DIVIDE)
+
+# A sharded checkpoint taken mid-join (after step 4 of epoch 0, when rank 1 has run out), resumed.
+CHECKPOINT = dict(BASE, microbatch=3, join=DIVIDE, save_interval='4ba', state_dict_type='sharded')
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory) -> dict:
+    folders = {w: str(tmp_path_factory.mktemp(f'ckpt_{w}')) for w in WRAPPERS}
+    two = [(name, 'scenarios_fsdp:train', {'cfg': cfg}) for name, cfg in {**SCENARIOS, **COUNTED}.items()]
+    for w in WRAPPERS:
+        save = dict(CHECKPOINT, wrapper=w, save_folder=folders[w])
+        two.append((f'{w}_ckpt_save', 'scenarios_fsdp:train', {'cfg': save}))
+        two.append((f'{w}_ckpt_resume', 'scenarios_fsdp:train_resumed',
+                    {'cfg': dict(CHECKPOINT, wrapper=w), 'folder': folders[w], 'batch': 4}))
+    results = launch(2, two, timeout=480)
+    results.update(launch(3, [(name, 'scenarios_fsdp:train', {'cfg': cfg}) for name, cfg in THREE.items()],
+                          timeout=300))
+    return results
+
+
+def check_reference(name: str, cfg: dict, per_rank: list[dict], tol: float = TOL) -> None:
+    divide = cfg['join'].get('divide_by_initial_world_size', True)
+    ref = reference.train(cfg, divide=divide)
+    for rank, res in enumerate(per_rank):
+        diff = reference.max_abs_diff(res['params'], ref['params'])
+        assert diff < tol, f'{name}: rank {rank} is {diff:.2e} from the reference'
+        assert res['timestamp']['sample'] == sum(cfg['shards']) * cfg['epochs'], f'{name}: samples counted'
+        assert res['timestamp']['batch'] == ref['steps_per_epoch'] * cfg['epochs']
+
+
+@pytest.mark.parametrize('w', WRAPPERS)
+def test_every_sample_trained_and_equal_to_reference_and_ddp(runs, w):
+    for case in ('sgd', 'microbatch'):
+        name = f'{w}_{case}'
+        per_rank = ok(runs, name)
+        check_reference(name, SCENARIOS[name], per_rank)
+        ddp = ok(runs, f'ddp_{case}')[0]['params']
+        assert reference.max_abs_diff(per_rank[0]['params'], ddp) < TOL, f'{name} differs from the same run under DDP'
+        report = per_rank[1]['reports'][0]
+        assert report['real_batches'] == [5, 3] and report['shadow_steps'] == [0, 2]
+
+
+@pytest.mark.parametrize('w', WRAPPERS)
+def test_uneven_microbatch_counts_are_padded_with_shadow_microbatches(runs, w):
+    name = f'{w}_microbatch'
+    rank0, rank1 = ok(runs, name)
+    # what each forward saw: rank 1's partial batch (5 samples: 3 + 2) gets one two-sample shadow
+    # microbatch; its shadow steps run three of them, as rank 0 runs three real ones
+    assert rank0['microbatch_sizes'][:5] == [[3, 3, 2]] * 5
+    assert rank1['microbatch_sizes'][:5] == [[3, 3, 2], [3, 3, 2], [3, 2, 2], [2, 2, 2], [2, 2, 2]]
+    check_reference(f'{w}_fixes_stock_hang', SCENARIOS[f'{w}_fixes_stock_hang'], ok(runs, f'{w}_fixes_stock_hang'))
+
+
+@pytest.mark.parametrize('w', WRAPPERS)
+def test_three_ranks_and_an_empty_shard(runs, w):
+    for case in ('empty_shard', 'three_ranks'):
+        name = f'{w}_{case}'
+        check_reference(name, THREE[name], ok(runs, name))
+
+
+@pytest.mark.parametrize('w', WRAPPERS)
+@pytest.mark.parametrize('case', ['batchnorm', 'batchnorm_rank0_short'])
+def test_batchnorm_buffers_see_only_real_forwards(runs, w, case):
+    name = f'{w}_{case}'
+    cfg = SCENARIOS[name]
+    ref = reference_fsdp.train(cfg)
+    for rank, res in enumerate(ok(runs, name)):
+        assert reference.max_abs_diff(res['params'], ref['params']) < BN_TOL, f'{name}: rank {rank} parameters'
+        # under FSDP every rank keeps its own buffers: updated by its own real microbatches only
+        diff = reference.max_abs_diff(res['buffers'], ref['buffers'][rank])
+        assert diff < BN_TOL, f'{name}: rank {rank} buffers are {diff:.2e} from its own real forwards'
+
+
+@pytest.mark.parametrize('w', WRAPPERS)
+def test_throw_on_early_termination_stops_every_rank(runs, w):
+    for res in ok(runs, f'{w}_throw'):
+        assert 'rank(s) [1] ran out of data at step 3 of epoch 0' in res['error']
+
+
+@pytest.mark.parametrize('w', WRAPPERS)
+@pytest.mark.parametrize('case', ['eval', 'eval_only'])
+def test_uneven_evaluation_is_exact(runs, w, case):
+    # eval shards of 20 and 7 samples, batch 4, eval microbatch 3: a full batch is 2 microbatches, a
+    # partial one (3 samples) 1, a shadow one 1 (padded to 2); after training, or in trainer.eval() alone
+    name = f'{w}_{case}'
+    cfg = SCENARIOS[name]
+    per_rank = ok(runs, name)
+    flat = torch.cat([p.flatten() for p in per_rank[0]['params'].values()])
+    expected = reference.evaluate(flat, cfg)
+    for res in per_rank:
+        assert res['eval']['MulticlassAccuracy'][-1] == pytest.approx(expected['MulticlassAccuracy'], abs=1e-7)
+        assert res['eval']['MeanLoss'][-1] == pytest.approx(expected['MeanLoss'], abs=1e-6)
+
+
+def test_branch_unused_by_some_rank(runs):
+    # FSDP1 reduce-scatters whole flat parameters (zeros where unused), so the branch trains as under DDP
+    check_reference('fsdp1_branch', SCENARIOS['fsdp1_branch'], ok(runs, 'fsdp1_branch'))
+    # FSDP2 reduce-scatters only parameters with a gradient: ranks would disagree; every rank says so at once
+    for res in ok(runs, 'fsdp2_branch'):
+        assert res['error'].startswith("at step 0, ranks' microbatches give gradients to different parameters")
+        assert 'module.extra.weight (used on 1 of 2 ranks)' in res['error']
+        assert res['timestamp']['batch'] == 0
+
+
+@pytest.mark.parametrize('w', WRAPPERS)
+def test_sharded_checkpoint_taken_mid_join_resumes_to_the_same_weights(runs, w):
+    saved, resumed = ok(runs, f'{w}_ckpt_save'), ok(runs, f'{w}_ckpt_resume')
+    cfg = dict(CHECKPOINT, wrapper=w)
+    check_reference(f'{w}_ckpt_save', cfg, saved)
+    assert saved[1]['shadow'][3] and not saved[0]['shadow'][3]  # step 4 (saved after it) was a shadow step for rank 1
+    for rank, res in enumerate(resumed):
+        assert res['resumed_from'] == 4
+        diff = reference.max_abs_diff(res['params'], saved[rank]['params'])
+        assert diff < TOL, f'{w}: resumed rank {rank} is {diff:.2e} from the uninterrupted run'
+        assert res['timestamp']['batch'] == 10
+
+
+def counts(runs, name: str, step: int) -> dict[str, int]:
+    per_rank = ok(runs, name)
+    assert all(res['collectives'][step] == per_rank[0]['collectives'][step] for res in per_rank), \
+        f'{name}: ranks issued different collectives at step {step}: {[r["collectives"][step] for r in per_rank]}'
+    return per_rank[0]['collectives'][step]
+
+
+@pytest.mark.parametrize('w', WRAPPERS)
+def test_collectives_per_step(runs, w):
+    stock = counts(runs, f'{w}_count_stock', 1)
+    microbatches = 3
+    # one FSDP unit (the root, not resharded after forward): one all-gather and one reduce-scatter per
+    # microbatch; FSDP1 on gloo all-gathers with all_gather (gloo has no all_gather_into_tensor)
+    gather = 'all_gather' if w == 'fsdp1' else 'all_gather_into_tensor'
+    assert stock[gather] == stock['reduce_scatter_tensor'] == microbatches, stock
+    for name in (f'{w}_count_uneven', f'{w}_count_shadow'):
+        steps = [counts(runs, name, t) for t in range(3)]  # step 2: microbatch counts 3 and 2, or 3 and 1 (shadow)
+        for c in steps:  # padded to three microbatches: FSDP's collectives are those of an even step
+            assert {k: v for k, v in c.items() if k != 'all_reduce'} == \
+                {k: v for k, v in stock.items() if k != 'all_reduce'}, (name, steps)
+        # UnevenJoin adds one small all-reduce per step (the agreement on who has data, started a step
+        # ahead; or, on steps planned from the lengths alone, the agreement on microbatch counts) and
+        # one per microbatch (the check that every rank's microbatch uses the same parameters)
+        assert sum(c['all_reduce'] for c in steps) == len(steps) * (stock['all_reduce'] + 1 + microbatches), steps
+
+
+def test_stock_composer_fsdp_hangs_on_uneven_microbatch_counts():
+    """Stock Composer, FSDP1 and FSDP2, shards of 24 and 21 samples, batch 8, microbatch 3.
+
+    Step 3 splits into 3 microbatches on rank 0 and 2 on rank 1: rank 0 all-gathers for its third
+    microbatch while rank 1 has moved on. The hang is cut short by a 10 s collective timeout (its
+    own launch, since a timed-out process group is unusable); the same runs with UnevenJoin are
+    ``{w}_fixes_stock_hang`` above.
+    """
+    stock = {w: dict(SCENARIOS[f'{w}_fixes_stock_hang'], join=None) for w in WRAPPERS}
+    with ThreadPoolExecutor(len(WRAPPERS)) as pool:
+        futures = {w: pool.submit(launch, 2, [(w, 'scenarios_fsdp:train_until_timeout', {'cfg': cfg})],
+                                  timeout=120, collective_timeout=10) for w, cfg in stock.items()}
+        results = {w: f.result()[w] for w, f in futures.items()}
+    for w, per_rank in results.items():
+        assert all(isinstance(res, dict) and res['timed_out'] for res in per_rank), f'{w}: {per_rank}'
+        assert all(res['steps_completed'] == 2 for res in per_rank), f'{w}: {per_rank}'

@@ -7,7 +7,7 @@ dicts) that the test compares with :mod:`reference`. Not a test module.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -263,6 +263,22 @@ def make_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=cfg.get('lr', 0.1), momentum=0.9)
 
 
+def quiet_trainer(**kwargs) -> Trainer:
+    """A ``Trainer`` as every scenario builds it: on the test device (``tests/devices.py``), seed 0, no console output."""
+    return Trainer(device=devices.device(), progress_bar=False, log_to_console=False, seed=0, **kwargs)
+
+
+def error_if_expected(cfg: dict, run: Callable[[], Any]) -> Optional[str]:
+    """``run()``; if it raises :class:`UnevenInputsError` and ``cfg['expect_error']``, the error's message, else None."""
+    try:
+        run()
+    except UnevenInputsError as e:
+        if not cfg.get('expect_error'):
+            raise
+        return str(e)
+    return None
+
+
 def train(cfg: dict) -> dict[str, Any]:
     """One Composer ``fit`` on this rank's shard, as ``cfg`` describes; see ``reference.train``."""
     rank = dist.get_global_rank()
@@ -272,7 +288,7 @@ def train(cfg: dict) -> dict[str, Any]:
     recorder, memory, lines, counter = Recorder(), InMemoryLogger(), LogLines(), CollectiveCounter()
     logging.getLogger('composer_join').addHandler(lines)
     logging.getLogger('composer_join').setLevel(logging.INFO)
-    trainer = Trainer(
+    trainer = quiet_trainer(
         model=model,
         train_dataloader=make_loader(cfg, rank),
         max_duration=cfg.get('max_duration', f"{cfg.get('epochs', 1)}ep"),
@@ -281,25 +297,14 @@ def train(cfg: dict) -> dict[str, Any]:
         algorithms=([join] if join is not None else []) + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
         callbacks=[recorder] + ([counter] if cfg.get('count_collectives') else []),
         loggers=[memory],
-        device=devices.device(),
-        progress_bar=False,
-        log_to_console=False,
-        seed=0,
         device_train_microbatch_size=cfg.get('microbatch'),
         ddp_sync_strategy=cfg.get('sync'),
         accumulate_train_batch_on_tokens=cfg.get('tokens', False),
         eval_dataloader=make_evaluator(cfg, rank),
         eval_interval=cfg.get('eval_interval', 1),
     )
-    error: Optional[str] = None
     try:
-        trainer.fit()
-        if cfg.get('eval_after'):
-            trainer.eval()
-    except UnevenInputsError as e:
-        if not cfg.get('expect_error'):
-            raise
-        error = str(e)
+        error = error_if_expected(cfg, lambda: (trainer.fit(), cfg.get('eval_after') and trainer.eval()))
     finally:
         trainer.close()
         logging.getLogger('composer_join').removeHandler(lines)

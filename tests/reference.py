@@ -103,6 +103,17 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
+def assert_like_reference(name: str, per_rank: list[dict], ref_params: dict[str, torch.Tensor], tol: float) -> None:
+    """Every rank's final ``params`` within ``tol`` of ``ref_params``, and its ``step_params`` (the
+    parameters after each step) identical to rank 0's: the replicas never drift apart."""
+    for rank, res in enumerate(per_rank):
+        diff = max_abs_diff(res['params'], ref_params)
+        assert diff < tol, f'{name}: rank {rank} is {diff:.2e} from the reference'
+        assert len(res['step_params']) == len(per_rank[0]['step_params'])
+        for step, (a, b) in enumerate(zip(per_rank[0]['step_params'], res['step_params'])):
+            assert torch.equal(a, b), f'{name}: rank {rank} differs from rank 0 after step {step}'
+
+
 def evaluate(flat_params: torch.Tensor, cfg: dict) -> dict[str, float]:
     """Accuracy and mean cross-entropy of the model with ``flat_params`` on all ranks' eval data at once."""
     from toy import shard

@@ -107,8 +107,3 @@ def evaluate(flat_params: torch.Tensor, cfg: dict) -> dict[str, float]:
     with torch.no_grad():
         losses, mask = token_losses(model, collate(seqs))
     return {'loss': float(losses.sum() / mask.sum()), 'tokens': int(mask.sum()), 'sequences': len(seqs)}
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys(), (a.keys(), b.keys())
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)

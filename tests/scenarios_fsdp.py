@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.nn.parallel import DistributedDataParallel
 
 import devices
-from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
+from composer_join import UnevenJoin, is_shadow_step
 from composer_join.collectives import CollectiveCounter
-from rank_scenarios import ToyModel, make_evaluator, make_loader, make_optimizer
+from rank_scenarios import ToyModel, error_if_expected, make_evaluator, make_loader, make_optimizer, quiet_trainer
 from toy import make_module, unpack
 
 _PATCHED = False
@@ -132,7 +132,7 @@ def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
                           save_num_checkpoints_to_keep=-1)
     if cfg.get('load_path'):
         checkpoint['load_path'] = cfg['load_path']
-    trainer = Trainer(
+    trainer = quiet_trainer(
         model=model,
         train_dataloader=make_loader(cfg, rank),
         max_duration=cfg.get('max_duration', f"{cfg.get('epochs', 1)}ep"),
@@ -140,26 +140,13 @@ def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
         algorithms=[join] if join is not None else [],
         callbacks=[recorder] + ([counter] if cfg.get('count_collectives') else []),
         loggers=[memory],
-        device=devices.device(),
-        progress_bar=False,
-        log_to_console=False,
-        seed=0,
         device_train_microbatch_size=cfg.get('microbatch'),
         parallelism_config=parallelism(cfg['wrapper'], cfg),
         eval_dataloader=make_evaluator(cfg, rank),
         eval_interval=cfg.get('eval_interval', 1),
         **checkpoint,
     )
-    error: Optional[str] = None
-    try:
-        if cfg.get('eval_only'):
-            trainer.eval()
-        else:
-            trainer.fit()
-    except UnevenInputsError as e:
-        if not cfg.get('expect_error'):
-            raise
-        error = str(e)
+    error = error_if_expected(cfg, trainer.eval if cfg.get('eval_only') else trainer.fit)
     params = full_params(trainer, kind) if error is None else {}
     trainer.close()
     ts = trainer.state.timestamp

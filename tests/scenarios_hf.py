@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from composer import Trainer
 from composer.core import DataSpec, Evaluator
 from composer.loggers import InMemoryLogger
 from composer.metrics.nlp import LanguageCrossEntropy
@@ -21,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchmetrics import MeanMetric, Metric
 
 from composer_join import UnevenJoin
-from rank_scenarios import Recorder, ShardWithLen
+from rank_scenarios import Recorder, ShardWithLen, quiet_trainer
 from reference_hf import collate, eval_shard, make_gpt2, optimizer_for, train_shard
 from toy import make_module, shard
 
@@ -70,7 +69,7 @@ def hf_train(cfg: dict) -> dict[str, Any]:
                              batch_size=cfg.get('eval_batch_size', 4), collate_fn=collate)
     join = UnevenJoin(**cfg['join']) if cfg.get('join') is not None else None
     recorder, memory = Recorder(), InMemoryLogger()
-    trainer = Trainer(
+    trainer = quiet_trainer(
         model=model,
         train_dataloader=DataSpec(train_loader, get_num_tokens_in_batch=loss_generating_tokens),
         eval_dataloader=Evaluator(label='eval', dataloader=eval_loader,
@@ -81,10 +80,6 @@ def hf_train(cfg: dict) -> dict[str, Any]:
         algorithms=[join] if join is not None else [],
         callbacks=[recorder],
         loggers=[memory],
-        device='cpu',
-        progress_bar=False,
-        log_to_console=False,
-        seed=0,
         device_train_microbatch_size=cfg.get('microbatch'),
         ddp_sync_strategy=cfg.get('sync'),
         accumulate_train_batch_on_tokens=cfg.get('tokens', False),
@@ -155,7 +150,7 @@ def mutating_train(cfg: dict) -> dict[str, Any]:
     rank = dist.get_global_rank()
     model = Mutating()
     recorder, memory = Recorder(), InMemoryLogger()
-    trainer = Trainer(
+    trainer = quiet_trainer(
         model=model,
         train_dataloader=_dict_loader(*shard(rank, cfg['shards'][rank]), cfg['batch_size']),
         eval_dataloader=Evaluator(label='eval', dataloader=_dict_loader(*shard(50 + rank, cfg['eval_shards'][rank]), 4),
@@ -166,10 +161,6 @@ def mutating_train(cfg: dict) -> dict[str, Any]:
         algorithms=[UnevenJoin(**cfg['join'])],
         callbacks=[recorder],
         loggers=[memory],
-        device='cpu',
-        progress_bar=False,
-        log_to_console=False,
-        seed=0,
         device_train_microbatch_size=cfg.get('microbatch'),
     )
     try:

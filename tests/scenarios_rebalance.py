@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
-from composer import Callback, Trainer
+from composer import Callback
 from composer.loggers import InMemoryLogger
 from composer.utils import dist
 from torch.utils.data import DataLoader
 
-import devices
-from composer_join import ExactDistributedSampler, UnevenInputsError, UnevenJoin, is_shadow_step
+from composer_join import ExactDistributedSampler, UnevenJoin, is_shadow_step
 from rank_scenarios import (
+    error_if_expected, quiet_trainer,
     AsksForUnusedParameters, Indexed, LogLines, ShardWithLen, ToyModel, make_loader, make_optimizer,
 )
 from toy import shard, unpack
@@ -84,7 +84,7 @@ def train(cfg: dict) -> dict[str, Any]:
     trained, memory, lines = Trained(), InMemoryLogger(), LogLines()
     logging.getLogger('composer_join').addHandler(lines)
     logging.getLogger('composer_join').setLevel(logging.INFO)
-    trainer = Trainer(
+    trainer = quiet_trainer(
         model=model,
         train_dataloader=_loader(cfg, rank),
         max_duration=cfg.get('max_duration', f"{cfg.get('epochs', 1)}ep"),
@@ -92,22 +92,11 @@ def train(cfg: dict) -> dict[str, Any]:
         algorithms=[join] + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
         callbacks=[trained],
         loggers=[memory],
-        device=devices.device(),
-        progress_bar=False,
-        log_to_console=False,
-        seed=0,
         device_train_microbatch_size=cfg.get('microbatch'),
         ddp_sync_strategy=cfg.get('sync'),
     )
-    error: Optional[str] = None
-    try:
-        trainer.fit()
-        if cfg.get('second_fit'):  # fit() again on the same trainer: one more epoch
-            trainer.fit(duration='1ep')
-    except UnevenInputsError as e:
-        if not cfg.get('expect_error'):
-            raise
-        error = str(e)
+    try:  # with second_fit: fit() again on the same trainer, one more epoch
+        error = error_if_expected(cfg, lambda: (trainer.fit(), cfg.get('second_fit') and trainer.fit(duration='1ep')))
     finally:
         trainer.close()
         logging.getLogger('composer_join').removeHandler(lines)

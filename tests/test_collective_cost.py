@@ -11,7 +11,6 @@ on a step nobody agreed on.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import reference
 from harness import RankError, launch
@@ -135,12 +134,9 @@ def test_microbatch_counts_that_differ_on_every_step(runs, name):
         assert steps_using_the_branch_only_where_no_sync_happens(cfg['batch_plan'], cfg['microbatch']) == [0, 3, 4]
     ref = reference.train(cfg, divide=cfg['join']['divide_by_initial_world_size'])
     per_rank = ok(runs, name)
-    for rank, res in enumerate(per_rank):
-        diff = reference.max_abs_diff(res['params'], ref['params'])
-        assert diff < TOL, f'{name}: rank {rank} is {diff:.2e} from the reference'
+    reference.assert_like_reference(name, per_rank, ref['params'], TOL)
+    for res in per_rank:
         assert res['timestamp']['sample'] == sum(cfg['shards']) * cfg['epochs']
-        for step, (a, b) in enumerate(zip(per_rank[0]['step_params'], res['step_params'])):
-            assert torch.equal(a, b), f'{name}: rank {rank} differs from rank 0 after step {step}'
         plan = cfg['batch_plan']
         for report in res['reports']:
             assert report['real_samples'] == cfg['shards']

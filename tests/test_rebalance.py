@@ -162,13 +162,7 @@ def observed(cfg: dict, per_rank: list[dict]) -> list[list[list[tuple[int, int] 
 def test_matches_the_reference_and_replicas_stay_identical(runs, name):
     cfg = SCENARIOS[name]
     ref = reference_train(cfg)
-    per_rank = ok(runs, name)
-    for rank, res in enumerate(per_rank):
-        diff = reference.max_abs_diff(res['params'], ref)
-        assert diff < TOL, f'{name}: rank {rank} is {diff:.2e} from the reference'
-        assert len(res['step_params']) == len(per_rank[0]['step_params'])
-        for step, (a, b) in enumerate(zip(per_rank[0]['step_params'], res['step_params'])):
-            assert torch.equal(a, b), f'{name}: rank {rank} differs from rank 0 after step {step}'
+    reference.assert_like_reference(name, ok(runs, name), ref, TOL)
 
 
 @pytest.mark.parametrize('name', TRAINED)

@@ -10,9 +10,6 @@ Every launch has a hard timeout and is killed with its process group.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from harness import free_port
+from test_launcher import run
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / 'tests' / 'failing_rank.py'
@@ -40,21 +38,8 @@ def launch(launcher: str, where: str, when: str, out: Path) -> tuple[int, float,
         cmd = [BIN / 'composer', '-n', '2', '--master_port', port, *args]
     else:
         cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', port, *args]
-    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=HARD_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f'{launcher} {where} {when}: no exit after {HARD_TIMEOUT} s (a hang); output:\n{output[-4000:]}')
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return proc.returncode, time.time(), output
+    result = run(cmd, timeout=HARD_TIMEOUT)  # kills the launch's process group on a hang, and fails
+    return result.returncode, time.time(), result.ranks[0]
 
 
 @pytest.mark.parametrize(('launcher', 'where', 'when'), [

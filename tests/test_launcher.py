@@ -51,16 +51,16 @@ class Run:
     ranks: list[str]  # each rank's output (stdout and stderr)
 
 
-def run(cmd: list[str], logs: Path | None = None) -> Run:
+def run(cmd: list[str], logs: Path | None = None, timeout: float = TIMEOUT) -> Run:
     """Run ``cmd`` in its own process group with a hard timeout; collect rank 0's and the per-rank files' output."""
     proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
+        out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f'no result after {TIMEOUT} s (a hang?); killed. Output:\n{out[-6000:]}')
+        pytest.fail(f'no result after {timeout} s (a hang?); killed. Output:\n{out[-6000:]}')
     finally:
         try:  # no rank outlives its test
             os.killpg(proc.pid, signal.SIGKILL)

@@ -40,7 +40,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from composer_join.batches import first_samples, sample_lists, to_cpu
 from composer_join.errors import UnevenInputsError
 from composer_join.plan import (
-    Agreement, RankStatus, StepPlan, agree_on_failures, agree_on_length, plan_from_lengths, steps_planned_from_lengths,
+    Agreement, RankStatus, StepPlan, agree_on_failures, agree_on_length, len_or_none, plan_from_lengths,
+    steps_planned_from_lengths,
 )
 from composer_join.rebalance import RebalancingLoader, rebalanced
 from composer_join.report import EpochReport
@@ -326,7 +327,7 @@ def join_dataloader(
         dataloader = dataloader.dataloader
     if isinstance(dataloader, RebalancingLoader):
         dataloader, current = dataloader.dataloader, dataloader.counts[dataloader.rank]
-    own_len = _len_or_none(dataloader)
+    own_len = len_or_none(dataloader)
     if rebalance and own_len is not None and current is not None:
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
     shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device)
@@ -354,13 +355,6 @@ def join_dataloader(
     log.info('UnevenJoin: %s batches per rank %s; every rank runs %s steps.', label, own_lens,
              shared if shared is not None else 'until the last rank runs out')
     return loader
-
-
-def _len_or_none(dataloader: Any) -> Optional[int]:
-    try:
-        return len(dataloader)
-    except (TypeError, NotImplementedError):
-        return None
 
 
 def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, int]:

@@ -19,12 +19,12 @@ and no collective at all. Only the steps from the shortest rank's last batch on 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from composer.utils import dist
 
-__all__ = ['Agreement', 'RankStatus', 'StepPlan', 'agree_on_failures', 'agree_on_length', 'plan_from_lengths',
+__all__ = ['Agreement', 'RankStatus', 'StepPlan', 'agree_on_failures', 'agree_on_length', 'len_or_none', 'plan_from_lengths',
            'steps_planned_from_lengths']
 
 
@@ -178,6 +178,14 @@ def agree_on_failures(
     table, work = _exchange_rows([-1 if failed_step is None else failed_step, int(short)], to_device)
     work.wait()
     return [None if step < 0 else (int(step), bool(s)) for step, s in table.cpu().tolist()]
+
+
+def len_or_none(dataloader: Any) -> Optional[int]:
+    """``len(dataloader)``, or None for a dataloader without one (what :func:`agree_on_length` takes)."""
+    try:
+        return len(dataloader)
+    except (TypeError, NotImplementedError):
+        return None
 
 
 def agree_on_length(

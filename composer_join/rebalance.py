@@ -47,6 +47,7 @@ from composer.utils import dist
 
 from composer_join.batches import map_tensors
 from composer_join.errors import UnevenInputsError
+from composer_join.plan import len_or_none
 from composer_join.report import EpochReport
 
 __all__ = ['RebalancingLoader', 'rebalanced', 'schedule']
@@ -311,12 +312,5 @@ def rebalanced(
                 [r for r, n in enumerate(counts) if n is None],
             )
         return dataloader, shared, check_overflow, counts
-    loader = RebalancingLoader(dataloader, counts, _len(dataloader), to_device)
+    loader = RebalancingLoader(dataloader, counts, len_or_none(dataloader), to_device)
     return loader, loader.length, False, loader.assigned
-
-
-def _len(dataloader: Iterable) -> Optional[int]:
-    try:
-        return len(dataloader)  # type: ignore[arg-type]
-    except (TypeError, NotImplementedError):
-        return None

@@ -14,6 +14,7 @@ event                     what happens
 ``BEFORE_FORWARD``        wrapper: this microbatch's sync, guard buffers if shadow; shadow (a joined
                           rank's or an empty padding microbatch): swap in a two-sample template;
                           real: keep a template
+``AFTER_FORWARD``         wrapper: automatic microbatching's OOM checks (:mod:`composer_join.oom`)
 ``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked; wrapper check
 ``AFTER_BACKWARD``        wrapper: restore syncing and buffers; shadow: keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back
@@ -53,8 +54,8 @@ log = logging.getLogger(__name__)
 
 _STARTS = frozenset((Event.FIT_START, Event.EVAL_START))
 _EVENTS = _STARTS | frozenset((
-    Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_LOSS, Event.AFTER_BACKWARD,
-    Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
+    Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.AFTER_LOSS,
+    Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
     Event.EVAL_BATCH_END, Event.EVAL_END,
 ))  # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
 
@@ -155,7 +156,7 @@ class UnevenJoin(Algorithm):
     @property
     def plan(self) -> Optional[StepPlan]:
         """The current step's plan, while a training epoch or an evaluation is running."""
-        return self._loader.plan if self._loader is not None else None
+        return self._loader.current_plan() if self._loader is not None else None
 
     @property
     def is_shadow_step(self) -> bool:
@@ -194,6 +195,8 @@ class UnevenJoin(Algorithm):
             samples = self._microbatch_start(state)
             self._wrapper.before_forward(state, self.plan, samples, self._shadow)
             self._shadow_input(state)
+        elif event == Event.AFTER_FORWARD:
+            self._wrapper.after_forward(state, self.plan)
         elif event == Event.AFTER_LOSS:
             factor = 0.0 if self._shadow else self.plan.grad_factor(self.divide_by_initial_world_size)
             if factor != 1.0:
@@ -252,7 +255,7 @@ class UnevenJoin(Algorithm):
         evaluator = next((e for e in state.evaluators if e.label == label), None)
         self._eval_loaders[label] = self._loader = join_dataloader(
             state, self._eval_loaders.get(label),
-            microbatch_size=evaluator.device_eval_microbatch_size if evaluator is not None else None,
+            microbatch_size=(lambda: evaluator.device_eval_microbatch_size) if evaluator is not None else None,
         )
         self._loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
         self._wrapper.eval_start(state, lambda: self.plan)

@@ -23,7 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
 from composer_join.buffers import BufferGuard
+from composer_join.fsdp import MicrobatchPadding, train_data_spec
 from composer_join.gradients import share_grad_presence
+from composer_join.oom import OOMChecks
 from composer_join.plan import StepPlan
 from composer_join.wrapper import Wrapper
 
@@ -79,8 +81,11 @@ class MicrobatchSync:
         self.suppressed = False  # this microbatch's sync was turned off here
         self.manual = False  # this is the last microbatch and Composer syncs by hand after it
 
-    def start_step(self) -> None:
+    def start_step(self, ddp: Optional[DistributedDataParallel] = None) -> None:
         self.seen = 0
+        if self.suppressed and ddp is not None:  # a retry after an OOM (automatic microbatching) left it off
+            ddp.require_backward_grad_sync = True
+        self.suppressed = self.manual = False
 
     def before_forward(self, ddp: DistributedDataParallel, plan: StepPlan, rank: int, samples: int) -> None:
         """Before the forward of a microbatch of ``samples`` samples (inside Composer's sync context)."""
@@ -108,6 +113,20 @@ class MicrobatchSync:
         self.manual = False
 
 
+def disarm_after_retry(ddp: DistributedDataParallel) -> None:
+    """Reset ``ddp``'s reducer when Composer retries a step (automatic microbatching, after a CUDA OOM).
+
+    A microbatch whose forward ran with gradient sync on and whose backward never ran (Composer's
+    OOM check stopped it) leaves the reducer expecting a backward: the next backward, even one
+    meant not to sync, would all-reduce its gradients on this rank only. Every rank retries the
+    step, so every rank resets (torch's own ``Reducer._reset_state``, which ``DistributedDataParallel``
+    uses when its process group changes; its buckets are then rebuilt once, on every rank alike).
+    """
+    reducer = getattr(ddp, 'reducer', None)
+    if reducer is not None and hasattr(reducer, '_reset_state'):
+        reducer._reset_state()
+
+
 class DDPWrapper(Wrapper):
     """UnevenJoin's DDP-specific part: buffer broadcast source, buffer guard, per-microbatch gradient sync.
 
@@ -121,6 +140,9 @@ class DDPWrapper(Wrapper):
         self._sync = MicrobatchSync()
         self._guard: Optional[BufferGuard] = None
         self._hooked: Optional[DistributedDataParallel] = None
+        self._oom = OOMChecks()
+        self._first_microbatch = True
+        self._last_step: Optional[int] = None  # timestamp.batch of the last step started
 
     def state_dict(self) -> dict[str, Any]:
         return {'buffer_source': self._source.rank}
@@ -133,17 +155,37 @@ class DDPWrapper(Wrapper):
             broadcast_buffers_from(state.model, lambda: self._source.rank)
             self._guard = BufferGuard(state.model.module)
             self._hooked = state.model
+        spec = train_data_spec(state)
+        if spec is not None:  # automatic microbatching: count microbatches, for OOMChecks
+            MicrobatchPadding.install(spec, plan, state.device.tensor_to_device, pad=False, checks=self._oom,
+                                      needed=lambda: state.auto_microbatching)
 
     def start_step(self, plan: StepPlan) -> None:
-        self._sync.start_step()
+        self._sync.start_step(self._hooked)
+        self._first_microbatch = True
+        self._oom.start_step()
+        if self._guard is not None and self._guard.armed:  # a retry after an OOM in a shadow microbatch
+            self._guard.restore()
         self._source.update(plan)
 
     def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
+        if self._first_microbatch:
+            self._first_microbatch, step = False, int(state.timestamp.batch)
+            if step == self._last_step:
+                disarm_after_retry(state.model)
+            self._last_step = step
         self._sync.before_forward(state.model, plan, self._rank, samples)
         if shadow and self._guard is not None:
             self._guard.armed = True
 
+    def after_forward(self, state: State, plan: StepPlan) -> None:
+        self._oom.after_forward(state)
+
+    def after_loss(self, state: State, plan: StepPlan) -> None:
+        self._oom.after_loss(state)
+
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
+        self._oom.after_backward(state)  # automatic microbatching: before forced_sync's all-reduces
         self._sync.after_backward(state.model, plan, state.optimizers, state.device.tensor_to_device)
         if shadow and self._guard is not None:
             self._guard.restore()

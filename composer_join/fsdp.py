@@ -39,6 +39,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from composer_join.batches import first_samples, map_tensors
 from composer_join.buffers import BufferGuard
 from composer_join.errors import UnevenInputsError
+from composer_join.oom import OOMChecks
 from composer_join.plan import StepPlan
 from composer_join.wrapper import Wrapper
 
@@ -62,26 +63,33 @@ class MicrobatchPadding:
     """
 
     def __init__(self, split: Callable[[Any, Any], Any], plan: Callable[[], Optional[StepPlan]],
-                 to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
+                 to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, pad: bool = True,
+                 checks: Optional[OOMChecks] = None, needed: Callable[[], bool] = lambda: True):
         self.split = split
         self.plan = plan
         self.to_device = to_device
+        self.pad = pad  # False (DDP under automatic microbatching): only count, for ``checks``
+        self.checks = checks  # told this rank's count and the step's largest (automatic microbatching)
+        self.needed = needed  # whether to count at all (pad=False)
 
     @classmethod
     def install(cls, spec: DataSpec, plan: Callable[[], Optional[StepPlan]],
-                to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
-        """Pad ``spec``'s microbatches from now on (once per ``DataSpec``; again only updates ``plan``)."""
-        if isinstance(spec.split_batch, cls):
-            spec.split_batch.plan, spec.split_batch.to_device = plan, to_device
+                to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, pad: bool = True,
+                checks: Optional[OOMChecks] = None, needed: Callable[[], bool] = lambda: True) -> None:
+        """Pad ``spec``'s microbatches from now on (once per ``DataSpec``; again only updates the settings)."""
+        if not isinstance(spec.split_batch, cls):
+            spec.split_batch = cls(spec.split_batch, plan, to_device, pad, checks, needed)
         else:
-            spec.split_batch = cls(spec.split_batch, plan, to_device)
+            padding = spec.split_batch
+            padding.plan, padding.to_device, padding.pad, padding.checks, padding.needed = (
+                plan, to_device, pad, checks, needed)
 
     def __call__(self, batch: Any, microbatch_size: Any) -> list:
         microbatches = list(self.split(batch, microbatch_size))
         plan = self.plan()
-        if plan is None or not plan.active_ranks:
+        if plan is None or not plan.active_ranks or not (self.pad or self.needed()):
             return microbatches
-        counts = [s.microbatches for s in plan.statuses]
+        counts = [s.microbatches for s in plan.statuses]  # for the microbatch size in force (StepPlan.recounted)
         if 0 in counts:
             # Not all counts are known (a step planned from the lengths alone, or batches Composer's
             # default DataSpec cannot count): every rank is here, so agree on them now (one all-reduce).
@@ -89,6 +97,8 @@ class MicrobatchPadding:
             dist.all_reduce(mine, reduce_operation='MAX')
             counts = [int(mine.item())]
         target = max(counts)
+        if self.checks is not None:
+            self.checks.own, self.checks.target = target if self.pad else len(microbatches), target
         if len(microbatches) > target:
             raise UnevenInputsError(
                 f'split_batch gave {len(microbatches)} microbatches on rank {dist.get_global_rank()} at step '
@@ -96,6 +106,8 @@ class MicrobatchPadding:
                 f'microbatch size)); under FSDP UnevenJoin pads ranks to the largest predicted count, so a custom '
                 f'split_batch must split as the default does.',
             )
+        if not self.pad:
+            return microbatches
         padding = [first_samples(microbatches[0], 0) for _ in range(target - len(microbatches))]
         if padding and not _counts_as_empty(padding[0]):
             raise UnevenInputsError(
@@ -211,6 +223,7 @@ class FSDPWrapper(Wrapper):
         self._model: Optional[torch.nn.Module] = None
         self._guard: Optional[BufferGuard] = None
         self._units: Optional[GradientUnits] = None
+        self._oom = OOMChecks()
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
@@ -220,7 +233,7 @@ class FSDPWrapper(Wrapper):
                 'UnevenJoin under FSDP could not find the Trainer\'s train DataSpec to pad microbatches; it must run '
                 'inside composer.Trainer.fit()',
             )
-        MicrobatchPadding.install(spec, plan, state.device.tensor_to_device)
+        MicrobatchPadding.install(spec, plan, state.device.tensor_to_device, checks=self._oom)
 
     def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
@@ -234,14 +247,24 @@ class FSDPWrapper(Wrapper):
             self._guard = BufferGuard(state.model)
             self._units = GradientUnits(state.model)
 
+    def start_step(self, plan: StepPlan) -> None:
+        self._oom.start_step()
+        if self._guard is not None and self._guard.armed:  # a retry after an OOM in a shadow microbatch
+            self._guard.restore()
+
     def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
         if shadow:
             self._guard.armed = True
 
+    def after_forward(self, state: State, plan: StepPlan) -> None:
+        self._oom.after_forward(state)
+
     def after_loss(self, state: State, plan: StepPlan) -> None:
+        self._oom.after_loss(state)  # automatic microbatching: before the unused-parameter check's all-reduce
         if len(self._units):
             self._units.check(state.loss, plan, state.device.tensor_to_device)
 
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
+        self._oom.after_backward(state)
         if shadow:
             self._guard.restore()

@@ -95,7 +95,12 @@ class JoinLoader:
         self.throw_on_early_termination = throw_on_early_termination
         self.to_device = to_device
         self.template: Optional[Any] = None  # first samples of a real batch, on the CPU
-        self.plan: Optional[StepPlan] = None  # the current step's plan, while iterating
+        self.plan: Optional[StepPlan] = None  # the current step's plan, while iterating (see current_plan)
+        # () -> the microbatch size in force (Composer's automatic microbatching halves it after an OOM)
+        self.microbatch_size: Callable[[], Any] = lambda: None
+        self._fetched_with: Any = None  # the size in force when the pending batch was described
+        self._plan_size: Any = None  # the size the current plan's microbatch counts were taken with
+        self._recounted: Optional[tuple[StepPlan, Any, StepPlan]] = None
         self._exhausted: Optional[Iterator] = None  # the iterator that ran out
         self.report = EpochReport(epoch=0, world_size=dist.get_world_size())
         self.epoch = 0
@@ -108,6 +113,20 @@ class JoinLoader:
         # Train only: () -> (epoch, first step, steps Composer skips), read when iteration starts
         # (composer_join.resume.train_position), so a mid-epoch resume reshuffles and counts right.
         self.position: Optional[Callable[[], tuple[int, int, int]]] = None
+
+    def current_plan(self) -> Optional[StepPlan]:
+        """The current step's plan, its microbatch counts for the microbatch size in force now.
+
+        The counts were taken when the batch was fetched, a step ahead; if Composer has changed the
+        microbatch size since (automatic microbatching, after a CUDA OOM, on every rank alike), they
+        are recomputed from the agreed samples (:meth:`~composer_join.plan.StepPlan.recounted`).
+        """
+        plan, size = self.plan, self.microbatch_size()
+        if plan is None or size == self._plan_size:
+            return plan
+        if self._recounted is None or self._recounted[0] is not plan or self._recounted[1] != size:
+            self._recounted = (plan, size, plan.recounted(size))
+        return self._recounted[2]
 
     @property
     def own_length(self) -> Optional[int]:
@@ -169,7 +188,7 @@ class JoinLoader:
                         return
                     if plan.template_source is not None:
                         self._share_template(plan.template_source)
-                self.plan = plan
+                self.plan, self._plan_size = plan, self._fetched_with
                 if step >= first + skipped:  # not a batch Composer spins past on resumption
                     self.report.record(plan)
                 # Fetch the next batch (and start its agreement) now: it completes while this step trains.
@@ -188,6 +207,7 @@ class JoinLoader:
         The first agreed step's agreement starts only when that step is asked for: a rank that cannot
         form its batch on the last planned step stops without it, so the others must not start it early.
         """
+        self._fetched_with = self.microbatch_size()
         batch, status, error = self._fetch(batches, step)
         if step < planned:
             if status.has_batch:  # sent with the first agreement (-1 once some batch could not be counted)
@@ -317,7 +337,8 @@ def join_dataloader(
     Called on every rank at the same point (fit or evaluation start): one collective to agree on
     the longest rank's length. ``cached``, a loader made earlier for the same dataloader, is reused
     with the template it holds. ``throw`` is ``throw_on_early_termination``. Microbatch counts are
-    predicted with ``microbatch_size`` (an evaluator's), by default the train microbatch size.
+    predicted with ``microbatch_size`` (an evaluator's, or a callable giving the size in force), by default
+    the train microbatch size in force.
     ``rebalance``: put a :class:`~composer_join.rebalance.RebalancingLoader` between the two
     (``mode='rebalance'``).
     """
@@ -335,6 +356,10 @@ def join_dataloader(
     if rebalance:  # the lengths are then each rank's assigned batches, own and received
         dataloader, shared, check_overflow, lengths = rebalanced(dataloader, own_lens, shared, check_overflow,
                                                                  state.device.tensor_to_device)
+    if microbatch_size is None:
+        size = lambda: state.device_train_microbatch_size  # noqa: E731 (read when used: auto microbatching)
+    else:
+        size = microbatch_size if callable(microbatch_size) else lambda: microbatch_size
     if cached is not None and cached.dataloader is dataloader:
         loader = cached
         loader.length, loader.check_overflow, loader.lengths = shared, check_overflow, lengths
@@ -342,14 +367,14 @@ def join_dataloader(
         spec = DataSpec(dataloader)
         loader = JoinLoader(
             dataloader,
-            describe=lambda batch: _describe(
-                spec, batch, state.device_train_microbatch_size if microbatch_size is None else microbatch_size),
+            describe=lambda batch: _describe(spec, batch, loader.microbatch_size()),
             length=shared,
             check_overflow=check_overflow,
             throw_on_early_termination=throw,
             to_device=state.device.tensor_to_device,
             lengths=lengths,
         )
+    loader.microbatch_size = size
     label = state.dataloader_label
     state.set_dataloader(loader, label, -1 if shared is None else shared)
     log.info('UnevenJoin: %s batches per rank %s; every rank runs %s steps.', label, own_lens,

@@ -18,7 +18,7 @@ and no collective at all. Only the steps from the shortest rank's last batch on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -97,6 +97,24 @@ class StepPlan:
         """True when every rank splits this step into the same, known number of microbatches."""
         counts = {s.microbatches for s in self.statuses}
         return len(counts) == 1 and 0 not in counts
+
+    def recounted(self, microbatch_size: Any) -> 'StepPlan':
+        """This plan with each rank's microbatch count for ``microbatch_size``, from its agreed samples.
+
+        Composer's automatic microbatching halves the microbatch size after a CUDA OOM and splits
+        the same batch again; the counts taken when the batch was fetched (a step ahead) are then
+        stale. A rank with a batch splits into ``ceil(samples / microbatch_size)`` (at least one,
+        Composer's default split), a shadowing rank into one; a rank whose samples are unknown
+        (a step planned from the lengths, an uncountable batch) gets ``0``, unknown. No communication.
+        """
+        def count(s: RankStatus) -> int:
+            if not s.has_batch:
+                return s.microbatches
+            if s.samples < 0 or not isinstance(microbatch_size, int) or microbatch_size <= 0:
+                return 0
+            return max(1, -(-s.samples // microbatch_size))
+
+        return replace(self, statuses=tuple(replace(s, microbatches=count(s)) for s in self.statuses))
 
     @property
     def structures_differ(self) -> bool:

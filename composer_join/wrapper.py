@@ -26,6 +26,7 @@ that depends on the wrapper around the model:
     wrapper.eval_start(state, plan)         # EVAL_START
     wrapper.start_step(plan)                # BEFORE_TRAIN_BATCH
     wrapper.before_forward(state, plan, samples, shadow)   # BEFORE_FORWARD, every training microbatch
+    wrapper.after_forward(state, plan)      # AFTER_FORWARD
     wrapper.after_loss(state, plan)         # AFTER_LOSS, before the backward pass
     wrapper.after_backward(state, plan, shadow)            # AFTER_BACKWARD
 
@@ -64,6 +65,9 @@ class Wrapper:
         pass
 
     def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
+        pass
+
+    def after_forward(self, state: State, plan: StepPlan) -> None:
         pass
 
     def after_loss(self, state: State, plan: StepPlan) -> None:

@@ -22,7 +22,8 @@ event                     what happens
                           (rebalance: with bytes moved)
 ``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement);
                           wrapper: FSDP pads eval microbatches
-``EVAL_BEFORE_FORWARD``   shadow: swap in the template; real: keep one
+``EVAL_BATCH_START``      automatic microbatching: keep the metric states, for a retry after an OOM
+``EVAL_BEFORE_FORWARD``   a retry: put the metric states back; shadow: swap in the template; real: keep one
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
 ``EVAL_BATCH_END``        put the eval metrics back
 ``EVAL_END``              stop every rank if some rank could not form a batch; back to the train plan
@@ -42,6 +43,7 @@ from composer.utils import dist
 from composer_join.batches import first_samples
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
+from composer_join.oom import EvalRetry
 from composer_join.plan import StepPlan
 from composer_join.rebalance import RebalancingLoader
 from composer_join.report import EpochReport
@@ -56,7 +58,7 @@ _STARTS = frozenset((Event.FIT_START, Event.EVAL_START))
 _EVENTS = _STARTS | frozenset((
     Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.AFTER_LOSS,
     Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
-    Event.EVAL_BATCH_END, Event.EVAL_END,
+    Event.EVAL_BATCH_START, Event.EVAL_BATCH_END, Event.EVAL_END,
 ))  # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
 
 
@@ -149,6 +151,7 @@ class UnevenJoin(Algorithm):
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
         self._resumed_report: Optional[EpochReport] = None  # the checkpoint's partial epoch, until FIT_START
         self._wrapper_state: dict[str, Any] = {}  # the checkpoint's wrapper state, until the wrapper exists
+        self._eval_retry = EvalRetry()  # automatic eval microbatching: undo a retried batch's metric updates
 
     def __repr__(self) -> str:
         return self._repr
@@ -210,7 +213,10 @@ class UnevenJoin(Algorithm):
             self._epoch_end(logger)
         elif event == Event.EVAL_START:
             self._eval_start(state)
+        elif event == Event.EVAL_BATCH_START:
+            self._eval_retry.batch_start(state)
         elif event == Event.EVAL_BEFORE_FORWARD:
+            self._eval_retry.before_forward(state)
             self._microbatch_start(state)
             self._shadow_input(state)
         elif event == Event.EVAL_AFTER_FORWARD and self._shadow:

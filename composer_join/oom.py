@@ -37,12 +37,13 @@ meets other ranks' gradient collectives. Stock Composer has the same limit.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 from composer.core import State
 from composer.distributed.shared_utils import generate_oom_hook
 
-__all__ = ['OOMChecks', 'check']
+__all__ = ['EvalRetry', 'OOMChecks', 'check']
 
 
 class OOMChecks:
@@ -89,3 +90,55 @@ def check(state: State) -> None:
                 for p in group['params']:
                     p.grad = None
         raise
+
+
+class EvalRetry:
+    """Undo the metric updates of an evaluation batch's attempt that Composer retries after an OOM.
+
+    Composer's evaluation loop retries a batch with half the microbatch size when some rank hit an
+    OOM, but does not reset the metrics: a rank that had already updated them with some of that
+    batch's microbatches would count those samples twice. With the evaluator's automatic
+    microbatching on, :meth:`batch_start` (``EVAL_BATCH_START``) keeps a copy of the metric states
+    and :meth:`before_forward` (``EVAL_BEFORE_FORWARD``) puts it back when the microbatch size has
+    changed since, i.e. when a retry starts. Cost, only then: one copy of the metric states per
+    evaluation batch.
+    """
+
+    def __init__(self):
+        self._size = None
+        self._saved: list[tuple[Any, dict[str, Any]]] = []
+
+    def batch_start(self, state: State) -> None:
+        evaluator = _evaluator(state)
+        self._saved = []
+        if evaluator is None or not evaluator.auto_microbatching:
+            return
+        self._size = evaluator.device_eval_microbatch_size
+        metrics = state.eval_metrics.get(state.dataloader_label, {})
+        self._saved = [(m, _metric_state(m)) for m in metrics.values()]
+
+    def before_forward(self, state: State) -> None:
+        evaluator = _evaluator(state)
+        if not self._saved or evaluator is None or evaluator.device_eval_microbatch_size == self._size:
+            return
+        self._size = evaluator.device_eval_microbatch_size
+        for metric, saved in self._saved:
+            for name, value in saved.items():
+                setattr(metric, name, _copy(value))
+
+
+def _evaluator(state: State):
+    return next((e for e in state.evaluators if e.label == state.dataloader_label), None)
+
+
+def _metric_state(metric: Any) -> dict[str, Any]:
+    names = list(getattr(metric, '_defaults', {})) + ['_update_count', '_computed']
+    return {n: _copy(getattr(metric, n)) for n in names if hasattr(metric, n)}
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value

@@ -79,10 +79,21 @@ class OOMInjector:
 
 
 def enable_auto_microbatching(trainer) -> None:
-    """What ``'auto'`` would give on a GPU, as far as Composer's OOM retry is concerned (test-only)."""
-    trainer.state.auto_microbatching = True
-    for evaluator in trainer.state.evaluators:
+    """What ``'auto'`` would give on a GPU, as far as Composer's OOM retry is concerned (test-only).
+
+    Under FSDP1, also Composer's OOM checks around every FSDP module (which ``'auto'`` installs at
+    construction, ``Trainer.__init__`` through ``prepare_fsdp_module``).
+    """
+    from composer.distributed.shared_utils import add_fsdp_oom_hooks
+    from composer.trainer._patch_pytorch import patch_unshard_for_automicrobatching
+
+    state = trainer.state
+    state.auto_microbatching = True
+    for evaluator in state.evaluators:
         evaluator.auto_microbatching = True
+    if state.fsdp_enabled and not state.automicrobatch_fsdp_hook_handles:
+        state.automicrobatch_fsdp_hook_handles = add_fsdp_oom_hooks(state.model, state.device)
+        patch_unshard_for_automicrobatching(auto_microbatch_size_found=False)
 
 
 class _MicrobatchSizes(rank_scenarios.Callback):
@@ -103,7 +114,6 @@ def train_oom(cfg: dict) -> dict[str, Any]:
     """:func:`rank_scenarios.train` with automatic microbatching on and OOMs where ``cfg['oom']`` says."""
     built: list = []
     sizes = _MicrobatchSizes()
-    original = rank_scenarios.quiet_trainer
 
     def trainer_with_ooms(**kwargs):
         kwargs['callbacks'] = list(kwargs.get('callbacks') or []) + [sizes]
@@ -114,11 +124,15 @@ def train_oom(cfg: dict) -> dict[str, Any]:
         built.append(injector)
         return trainer
 
-    rank_scenarios.quiet_trainer = trainer_with_ooms
+    module = rank_scenarios
+    if cfg.get('wrapper') is not None:  # FSDP1, FSDP2 (or DDP) through tests/scenarios_fsdp.py
+        import scenarios_fsdp as module
+    original = module.quiet_trainer
+    module.quiet_trainer = trainer_with_ooms
     try:
-        result = rank_scenarios.train(cfg)
+        result = module.train(cfg)
     finally:
-        rank_scenarios.quiet_trainer = original
+        module.quiet_trainer = original
     result['ooms_raised'] = built[0].raised if built else []
     result['train_microbatch_sizes'] = sizes.train
     result['eval_microbatch_sizes'] = sizes.eval

@@ -23,8 +23,11 @@ Transfers happen inside ``next()``, which the JoinLoader calls once per step on 
 still has assigned batches (for step ``t + 1``, during step ``t``): the donor sends, the receiver
 receives, point to point, in the order above. A transfer is a length prefix, a small pickled
 header (the batch's structure, its non-tensor content, each tensor's shape and dtype) and one
-``send`` per tensor, on the trainer's device (``state.device.tensor_to_device``: the CPU for gloo,
-the GPU for NCCL), so the received batch is already where the trainer wants it. Non-tensor
+``send`` of every tensor's raw bytes (``uint8``, each tensor 16-byte aligned; NCCL has no int16,
+uint16, uint32 or uint64, bytes carry every dtype), on the trainer's device
+(``state.device.tensor_to_device``: the CPU for gloo, the GPU for NCCL). The receiver allocates
+straight on that device and views the bytes as the tensors, so the received batch is already where
+the trainer wants it, with no copy. Non-tensor
 content (e.g. lists of strings) travels in the header. If a donor cannot read or pickle a batch
 it sends a failure header instead, and both ranks raise; the JoinLoader's agreement then stops
 every rank, so nothing hangs.
@@ -89,6 +92,7 @@ def schedule(counts: list[int]) -> list[list[Cell]]:
 
 
 _OK, _FAILED = 0, 1
+_ALIGN = 16  # bytes: every tensor's place in a transfer's payload is a multiple of this (complex128's size)
 
 
 class RebalancingLoader:
@@ -190,22 +194,31 @@ class RebalancingLoader:
     def _send(self, batch: Any, dst: int, step: int) -> Optional[Exception]:
         """Send ``batch`` to rank ``dst`` (``None``: a failure header); return why it could not be sent, if so.
 
-        Everything that can fail locally (pickling, copying to the device) happens before the first
-        message, so a receiver is never left waiting in the middle of a batch.
+        Everything that can fail locally (pickling, copying to the device, viewing a tensor as bytes)
+        happens before the first message, so a receiver is never left waiting in the middle of a
+        batch. Tensors travel as raw bytes (one ``uint8`` payload for the whole batch, reinterpreted
+        on arrival): NCCL has no int16, uint16, uint32 or uint64, and bytes carry every dtype alike.
         """
-        tensors: list[torch.Tensor] = []
+        payload: list[torch.Tensor] = []
+        specs: list[tuple[tuple[int, ...], torch.dtype]] = []
         status, header, refused = _FAILED, b'', None
         if batch is not None:
 
             def take(t: torch.Tensor) -> torch.Tensor:
-                if t.layout != torch.strided:
-                    raise TypeError(f'a {t.layout} tensor cannot be sent')
-                tensors.append(self.to_device(t.detach().contiguous()))
-                return torch.empty(0, dtype=t.dtype)
+                if t.layout != torch.strided or t.is_quantized:
+                    raise TypeError(f'a {"quantized" if t.is_quantized else t.layout} tensor cannot be sent')
+                specs.append((tuple(t.shape), t.dtype))
+                if t.numel():  # an empty tensor is rebuilt from its shape alone
+                    raw = _as_bytes(self.to_device(t.detach()))
+                    payload.append(raw)
+                    if raw.numel() % _ALIGN:  # each tensor starts aligned, so it can be viewed in place on arrival
+                        payload.append(raw.new_zeros(_ALIGN - raw.numel() % _ALIGN))
+                return torch.empty(0, dtype=torch.uint8)  # a placeholder (torch cannot unpickle e.g. uint16 ones)
 
             try:
                 skeleton = map_tensors(take, batch)
-                header = pickle.dumps((skeleton, [(tuple(t.shape), t.dtype) for t in tensors]), pickle.HIGHEST_PROTOCOL)
+                header = pickle.dumps((skeleton, specs), pickle.HIGHEST_PROTOCOL)
+                data = torch.cat(payload) if len(payload) > 1 else payload[0] if payload else None
                 status = _OK
             except Exception as e:  # e.g. something in the batch that pickle refuses
                 refused = UnevenInputsError(
@@ -213,7 +226,6 @@ class RebalancingLoader:
                     f'{type(e).__name__}: {e}. mode=\'rebalance\' moves dense tensors and picklable objects only; '
                     f'use mode=\'shadow\' for such batches.',
                 )
-                tensors = []
         prefix = torch.tensor([status, len(header)], dtype=torch.int64)
         torch.distributed.send(self.to_device(prefix), dst)
         self.bytes_sent += prefix.numel() * prefix.element_size()
@@ -221,14 +233,15 @@ class RebalancingLoader:
             return refused
         torch.distributed.send(self.to_device(torch.frombuffer(bytearray(header), dtype=torch.uint8)), dst)
         self.bytes_sent += len(header)
-        for t in tensors:
-            if t.numel():  # an empty tensor is rebuilt from its shape alone
-                torch.distributed.send(t, dst)
-                self.bytes_sent += t.numel() * t.element_size()
+        if data is not None:
+            torch.distributed.send(data, dst)
+            self.bytes_sent += data.numel()
         return None
 
     def _receive(self, src: int, step: int) -> Any:
-        prefix = self.to_device(torch.zeros(2, dtype=torch.int64))
+        """Receive a batch from rank ``src``, straight into memory on the trainer's device."""
+        device = self._device()
+        prefix = torch.zeros(2, dtype=torch.int64, device=device)
         torch.distributed.recv(prefix, src)
         status, size = (int(v) for v in prefix.cpu().tolist())
         self.bytes_received += prefix.numel() * prefix.element_size()
@@ -237,19 +250,43 @@ class RebalancingLoader:
                 f'rank {src} could not read or send the batch that rank {self.rank} was to train at step {step} '
                 f'(rank {src} raises the cause)',
             )
-        header = self.to_device(torch.empty(size, dtype=torch.uint8))
+        header = torch.empty(size, dtype=torch.uint8, device=device)
         torch.distributed.recv(header, src)
         self.bytes_received += size
         skeleton, specs = pickle.loads(header.cpu().numpy().tobytes())
-        received = []
-        for shape, dtype in specs:
-            t = self.to_device(torch.empty(shape, dtype=dtype))
-            if t.numel():
-                torch.distributed.recv(t, src)
-                self.bytes_received += t.numel() * t.element_size()
-            received.append(t)
+        sizes = [_nbytes(shape, dtype) for shape, dtype in specs]
+        data = torch.empty(sum(n + (-n) % _ALIGN for n in sizes), dtype=torch.uint8, device=device)
+        if data.numel():
+            torch.distributed.recv(data, src)
+            self.bytes_received += data.numel()
+        received, offset = [], 0
+        for (shape, dtype), n in zip(specs, sizes):
+            if n:
+                received.append(data[offset:offset + n].view(dtype).view(shape))
+            else:
+                received.append(torch.empty(shape, dtype=dtype, device=device))
+            offset += n + (-n) % _ALIGN
         slots = iter(received)
         return map_tensors(lambda _: next(slots), skeleton)
+
+    def _device(self) -> torch.device:
+        """The trainer's device, where received batches are allocated (found once)."""
+        if getattr(self, '_on', None) is None:
+            self._on = self.to_device(torch.empty(0)).device
+        return self._on
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s contents as a flat ``uint8`` tensor (a view if ``t`` is contiguous, else one copy)."""
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = 1
+    for n in shape:
+        numel *= n
+    return numel * torch.empty(0, dtype=dtype).element_size()
 
 
 class _Reader:

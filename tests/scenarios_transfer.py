@@ -1,0 +1,68 @@
+"""Rebalancing transfers of every torch dtype, point to point between real ranks. Not a test module.
+
+The donor (rank 0) holds two batches and the receiver (rank 1) none, so the schedule hands rank 1
+rank 0's second batch (:class:`composer_join.rebalance.RebalancingLoader`). Tensors travel on the
+test device (``tests/devices.py``: CUDA tensors over NCCL in ``make test-gpu``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from composer.utils import dist
+
+import devices
+from composer_join import UnevenInputsError
+from composer_join.rebalance import RebalancingLoader
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64,
+          torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+          torch.complex128]
+
+
+def batch_of_every_dtype(seed: int) -> dict[str, Any]:
+    """Odd shapes (a 0-d, a transposed, an empty tensor, 3 bools before a float64), extreme values, a string list."""
+    g = torch.Generator().manual_seed(seed)
+    batch: dict[str, Any] = {}
+    for dtype in DTYPES:
+        name = str(dtype).split('.')[-1]
+        if dtype == torch.bool:
+            batch[name] = torch.rand(3, generator=g) > 0.5
+        elif dtype.is_complex:
+            batch[name] = torch.randn(2, 3, generator=g, dtype=dtype)
+        elif dtype.is_floating_point:
+            batch[name] = torch.randn(3, 5, generator=g).to(dtype)
+        else:
+            info = torch.iinfo(dtype)
+            values = torch.randint(0, 1 << 20, (4, 3), generator=g, dtype=torch.int64)
+            values[0, 0] = info.max if dtype != torch.uint64 else (1 << 63) - 1
+            batch[name] = values.to(dtype) if dtype not in (torch.uint16, torch.uint32, torch.uint64) else \
+                (values % (info.max if dtype != torch.uint64 else (1 << 62))).to(dtype)
+    batch['scalar'] = torch.tensor(3.25, dtype=torch.float64)
+    batch['transposed'] = torch.randn(4, 3, generator=g).t()
+    batch['empty'] = torch.zeros(0, 7, dtype=torch.int16)
+    batch['text'] = ['a', 'bc']
+    return batch
+
+
+def to_cpu(batch: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def transfer(unsendable: bool = False) -> dict[str, Any]:
+    """Rank 1 receives rank 0's second batch; ``unsendable``: that batch holds a quantized tensor."""
+    rank = dist.get_global_rank()
+    on = torch.device('cuda', torch.cuda.current_device()) if devices.device() == 'gpu' else torch.device('cpu')
+    own = [batch_of_every_dtype(1), batch_of_every_dtype(2)] if rank == 0 else []
+    if unsendable and rank == 0:
+        own[1]['quantized'] = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
+    loader = RebalancingLoader(own, counts=[2, 0], own_len=len(own), to_device=lambda t: t.to(on))
+    try:
+        received = list(loader)
+    except UnevenInputsError as e:
+        return {'error': str(e)}
+    out = received[0]
+    devices_seen = sorted({str(v.device.type) for v in out.values() if isinstance(v, torch.Tensor)})
+    return {'error': None, 'batch': to_cpu(out), 'devices': devices_seen, 'bytes_received': loader.bytes_received,
+            'bytes_sent': loader.bytes_sent}

@@ -210,8 +210,12 @@ def chart(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def run(quick: bool, out: Path, command: str = '') -> str:
-    """Run the benchmark, write ``rebalance.png`` into ``out``; return the markdown section."""
+def run(quick: bool, out: Path, command: str = '', max_ranks: Optional[int] = None) -> str:
+    """Run the benchmark, write ``rebalance.png`` into ``out``; return the markdown section.
+
+    ``max_ranks``: only world sizes up to it (``make bench-gpu``: one GPU per rank); the section
+    then says which world sizes were left out.
+    """
     import datetime
 
     from ranks import launch
@@ -220,7 +224,12 @@ def run(quick: bool, out: Path, command: str = '') -> str:
     load = ', '.join(f'{v:.2f}' for v in os.getloadavg())
     start = time.perf_counter()
     rows = []
-    for s in QUICK if quick else FULL:
+    setups = [s for s in (QUICK if quick else FULL) if max_ranks is None or s.world <= max_ranks]
+    left_out = sorted({s.world for s in (QUICK if quick else FULL)} - {s.world for s in setups})
+    if not setups:
+        return (f'## 3. Rebalancing\n\nNot run: every world size of this benchmark ({", ".join(map(str, left_out))} '
+                f'ranks) is above --max-ranks {max_ranks}.\n')
+    for s in setups:
         print(f'rebalance: {s.world} ranks', flush=True)
         t0 = time.perf_counter()
         res = launch(s.world, calls(s), timeout=s.timeout,
@@ -230,7 +239,8 @@ def run(quick: bool, out: Path, command: str = '') -> str:
             'date': datetime.datetime.now().strftime('%Y-%m-%d %H:%M'), 'seconds': time.perf_counter() - start,
             'load': load, 'code': code_version()}
     chart(rows, out / 'rebalance.png')
-    return markdown(rows, info)
+    note = f'\n(Left out, above --max-ranks {max_ranks}: {", ".join(map(str, left_out))} ranks.)\n' if left_out else ''
+    return markdown(rows, info) + note
 
 
 def main(argv: Optional[list[str]] = None) -> int:

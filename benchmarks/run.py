@@ -587,6 +587,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = args.out or (Path(tempfile.mkdtemp(prefix='composer-join-bench-')) if args.quick else HERE)
     out.mkdir(parents=True, exist_ok=True)
     setups = tuple(s for s in (QUICK if args.quick else FULL) if args.max_ranks is None or s.world <= args.max_ranks)
+    if not setups:  # e.g. make bench-gpu on fewer GPUs than the smallest world size: say so in the results
+        (out / 'results.md').write_text(
+            f'# UnevenJoin benchmarks\n\nNot run: every world size ({", ".join(str(s.world) for s in (QUICK if args.quick else FULL))} '
+            f'ranks) is above --max-ranks {args.max_ranks}.\n')
+        print(f'wrote {out / "results.md"}: nothing to run with --max-ranks {args.max_ranks}')
+        return 0
 
     if args.wait_quiet:
         wait_for_quiet(args.wait_quiet)
@@ -637,7 +643,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.save_raw:
         args.save_raw.write_bytes(pickle.dumps(raw))
     text = markdown(info, overheads, uneven, counts, events)
-    text += '\n' + rebalance.run(args.quick, out, info['command'])  # section 3, and rebalance.png
+    text += '\n' + rebalance.run(args.quick, out, info['command'], args.max_ranks)  # section 3, and rebalance.png
     (out / 'results.md').write_text(text)
     write_chart(out / 'results.png', overheads, uneven)
     print(text)

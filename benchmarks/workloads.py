@@ -261,6 +261,12 @@ class _TimedWait:
 DEVICE = os.environ.get('COMPOSER_JOIN_DEVICE', 'cpu')  # 'gpu' under make bench-gpu: one GPU per rank, NCCL
 
 
+def _synchronize(tensor: torch.Tensor) -> None:
+    """Wait until the GPU has finished the work queued so far (for timers; a no-op on the CPU)."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
 def _device() -> torch.device:
     return torch.device('cuda', torch.cuda.current_device()) if DEVICE == 'gpu' else torch.device('cpu')
 
@@ -487,6 +493,7 @@ def collective_latency(repeats: int = 300, late_ms: float = 10.0) -> dict[str, f
     for _ in range(repeats):
         t = time.perf_counter()
         dist.all_reduce(table, reduce_operation='SUM')
+        _synchronize(table)  # NCCL only enqueues the op: time it to completion
         times.append(time.perf_counter() - t)
     cpu1 = (time.process_time(), time.thread_time())
     times.sort()
@@ -498,6 +505,7 @@ def collective_latency(repeats: int = 300, late_ms: float = 10.0) -> dict[str, f
             time.sleep(late_ms / 1000)
         t, c = time.perf_counter(), time.process_time()
         dist.all_reduce(table, reduce_operation='SUM')
+        _synchronize(table)
         waited, burnt = waited + time.perf_counter() - t, burnt + time.process_time() - c
     return {
         'median': times[len(times) // 2],

@@ -19,6 +19,7 @@ import sys
 
 ENV = 'COMPOSER_JOIN_DEVICE'
 DEVICES = ('cpu', 'gpu')
+SHARED_ENV = 'COMPOSER_JOIN_SHARED_GPU'  # '1': every rank on GPU 0, over gloo (a machine with one GPU)
 
 
 def device() -> str:
@@ -27,6 +28,53 @@ def device() -> str:
     if value not in DEVICES:
         raise ValueError(f'{ENV}={value!r}: allowed values are {", ".join(DEVICES)}')
     return value
+
+
+def shared_gpu() -> bool:
+    """True when every rank shares GPU 0 over gloo with CUDA tensors (``make test-gpu`` on one GPU)."""
+    return device() == 'gpu' and os.environ.get(SHARED_ENV) == '1'
+
+
+def backend() -> str:
+    """The process group backend of a rank: gloo on the CPU and on a shared GPU, NCCL on one GPU per rank."""
+    return 'nccl' if device() == 'gpu' and not shared_gpu() else 'gloo'
+
+
+def trainer_device():
+    """What every test ``Trainer`` gets as ``device``: ``'cpu'``, or Composer's ``DeviceGPU`` with TF32 off.
+
+    Composer enables TF32 matmuls on GPUs by default (``DeviceGPU(allow_tf32=True)``), about 1e-3
+    off float32, and the tests compare with a float32 CPU reference to 1e-5. On a shared GPU every
+    rank uses device 0 (Composer would pick ``cuda:<local rank>``).
+    """
+    if device() == 'cpu':
+        return 'cpu'
+    from composer.devices import DeviceGPU
+
+    return DeviceGPU(device_id=0 if shared_gpu() else None, allow_tf32=False)
+
+
+def torch_device():
+    """The ``torch.device`` a rank's tensors live on (after :func:`init_rank`)."""
+    import torch
+
+    return torch.device('cuda', torch.cuda.current_device()) if device() == 'gpu' else torch.device('cpu')
+
+
+def init_rank(timeout: float) -> None:
+    """Initialise this rank's process group (Composer's, or gloo on a shared GPU) and its CUDA device."""
+    import datetime
+
+    import torch
+    from composer.utils import dist
+
+    if shared_gpu():
+        torch.cuda.set_device(0)
+        torch.distributed.init_process_group('gloo', timeout=datetime.timedelta(seconds=timeout))
+    else:
+        dist.initialize_dist(device(), timeout=timeout)
+    if device() == 'gpu':
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 
 
 def gpu_count() -> int:

@@ -30,6 +30,7 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
+import devices  # noqa: E402
 from rank_scenarios import ShardWithLen, ToyModel  # noqa: E402
 from toy import shard  # noqa: E402
 
@@ -94,7 +95,7 @@ def main(where: str, when: str, out: Path) -> None:
     callback = FailAt(model, step if mine else -1, out, where)
     trainer = Trainer(model=model, train_dataloader=DataLoader(dataset, batch_size=4), max_duration='1ep',
                       optimizers=torch.optim.SGD(model.parameters(), lr=0.1), algorithms=[UnevenJoin()],
-                      callbacks=[callback], device='cpu', dist_timeout=DIST_TIMEOUT, progress_bar=False,
+                      callbacks=[callback], device=devices.trainer_device(), dist_timeout=DIST_TIMEOUT, progress_bar=False,
                       log_to_console=False)
     try:
         trainer.fit()

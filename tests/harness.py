@@ -12,7 +12,9 @@ launch is killed after ``timeout`` seconds with an error naming the call that wa
 
 With ``COMPOSER_JOIN_DEVICE=gpu`` (``make test-gpu``, see ``devices.py``) each rank uses its own GPU
 with NCCL; a launch with more ranks than GPUs runs nothing and returns ``NotEnoughGPUs`` for every
-call, which the tests report as skipped (NCCL cannot put two ranks on one GPU).
+call, which the tests report as skipped (NCCL cannot put two ranks on one GPU). With
+``COMPOSER_JOIN_SHARED_GPU=1`` as well (``make test-gpu`` on a machine with one GPU), every rank uses
+GPU 0 over gloo, with CUDA tensors wherever gloo takes them.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def launch(
 
     A result is whatever the function returned, or a :class:`RankError`.
     """
-    if devices.device() == 'gpu':
+    if devices.device() == 'gpu' and not devices.shared_gpu():  # a shared GPU takes any number of ranks
         missing = devices.too_few_gpus(world_size, f'a {world_size}-rank launch')
         if missing is not None:
             return {name: [RankError('NotEnoughGPUs', missing)] * world_size for name, _, _ in calls}

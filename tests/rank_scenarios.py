@@ -265,7 +265,7 @@ def make_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
 
 def quiet_trainer(**kwargs) -> Trainer:
     """A ``Trainer`` as every scenario builds it: on the test device (``tests/devices.py``), seed 0, no console output."""
-    return Trainer(device=devices.device(), progress_bar=False, log_to_console=False, seed=0, **kwargs)
+    return Trainer(device=devices.trainer_device(), progress_bar=False, log_to_console=False, seed=0, **kwargs)
 
 
 def error_if_expected(cfg: dict, run: Callable[[], Any]) -> Optional[str]:
@@ -343,7 +343,7 @@ def torch_join(shards: list[int], batch_size: int, epochs: int, lr: float, divid
     """A plain training loop with torch's own ``DistributedDataParallel.join``, one ``join()`` per epoch."""
     rank = dist.get_global_rank()
     module = make_module('mlp')
-    on = torch.device('cuda', torch.cuda.current_device()) if devices.device() == 'gpu' else torch.device('cpu')
+    on = devices.torch_device()
     module.to(on)
     ddp = DistributedDataParallel(module)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)

@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import devices  # noqa: E402
 import rank_scenarios  # noqa: E402
 from harness import RankError  # noqa: E402
-from composer.utils import dist  # noqa: E402
 
 
 def _resolve(function: str):
@@ -28,7 +27,7 @@ def main(spec_path: str, out_prefix: str) -> None:
     warnings.filterwarnings('ignore')
     logging.basicConfig(level=logging.WARNING)
     spec = pickle.loads(Path(spec_path).read_bytes())
-    dist.initialize_dist(devices.device(), timeout=spec['collective_timeout'])
+    devices.init_rank(spec['collective_timeout'])
     torch.set_num_threads(1)
     results = {}
     for name, function, kwargs in spec['calls']:

@@ -100,7 +100,7 @@ def train(cfg: dict, divide: bool = True) -> dict:
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (a.keys(), b.keys())
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    return max(float((a[k].detach().cpu().double() - b[k].detach().cpu().double()).abs().max()) for k in a)  # on the CPU
 
 
 def assert_like_reference(name: str, per_rank: list[dict], ref_params: dict[str, torch.Tensor], tol: float) -> None:

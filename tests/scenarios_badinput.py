@@ -12,6 +12,7 @@ import torch
 from composer import Trainer
 from composer.utils import dist
 
+import devices
 from composer_join import UnevenInputsError, UnevenJoin
 from rank_scenarios import ToyModel
 from toy import shard
@@ -51,7 +52,7 @@ def train_on(formats: list[list[str]], claimed: list[int | None] | None = None) 
     model = ToyModel('mlp')
     loader = Batches([batch(rank, s, f) for s, f in enumerate(formats[rank])], (claimed or [None] * 2)[rank])
     trainer = Trainer(model=model, train_dataloader=loader, max_duration='1ep', algorithms=[UnevenJoin()],
-                      optimizers=torch.optim.SGD(model.parameters(), lr=0.1), device='cpu', progress_bar=False,
+                      optimizers=torch.optim.SGD(model.parameters(), lr=0.1), device=devices.trainer_device(), progress_bar=False,
                       log_to_console=False)
     try:
         trainer.fit()

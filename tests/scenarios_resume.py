@@ -16,6 +16,7 @@ from composer import Callback, Trainer
 from composer.utils import dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+import devices
 from composer_join import ExactDistributedSampler, UnevenJoin, is_shadow_step
 from rank_scenarios import AsksForUnusedParameters, Indexed, ToyModel, _flat_optimizer_state, make_optimizer
 from toy import shard
@@ -126,7 +127,7 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
         model=model, train_dataloader=loader, optimizers=optimizer,
         max_duration=cfg.get('max_duration', f"{cfg.get('epochs', 2)}ep"),
         algorithms=[join] + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
-        callbacks=[ids] + kwargs.pop('callbacks', []), device='cpu', progress_bar=False, log_to_console=False,
+        callbacks=[ids] + kwargs.pop('callbacks', []), device=devices.trainer_device(), progress_bar=False, log_to_console=False,
         seed=0, device_train_microbatch_size=cfg.get('microbatch'), ddp_sync_strategy=cfg.get('sync'),
         **kwargs,
     )

@@ -53,7 +53,7 @@ def to_cpu(batch: dict[str, Any]) -> dict[str, Any]:
 def transfer(unsendable: bool = False) -> dict[str, Any]:
     """Rank 1 receives rank 0's second batch; ``unsendable``: that batch holds a quantized tensor."""
     rank = dist.get_global_rank()
-    on = torch.device('cuda', torch.cuda.current_device()) if devices.device() == 'gpu' else torch.device('cpu')
+    on = devices.torch_device()
     own = [batch_of_every_dtype(1), batch_of_every_dtype(2)] if rank == 0 else []
     if unsendable and rank == 0:
         own[1]['quantized'] = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)

@@ -18,19 +18,14 @@ bench: $(STAMP)
 fuzz: $(STAMP)   # hypothesis: hundreds of random uneven runs against the reference (~10 min on 2 cores)
 	COMPOSER_JOIN_FUZZ=1 $(VENV)/bin/pytest tests/test_random_unevenness.py
 
-# On GPUs (not run in CI): the distributed tests and the benchmarks with device='gpu' and NCCL, one GPU
-# per rank; scenarios with more ranks than GPUs are skipped. Both stop with a message below 2 GPUs.
-GPU_TESTS ?= tests/test_join_core.py tests/test_sync_strategies.py tests/test_evaluation.py \
-	tests/test_collective_cost.py $(wildcard tests/test_fsdp*.py)
+# On GPUs (not run in CI): tests/gpu_suite.py picks the tests (one GPU per rank with NCCL; on one GPU,
+# all ranks share it over gloo) and prints a one-line summary; see docs/gpu.md.
 
 test-gpu: $(STAMP)
-	@$(VENV)/bin/python tests/devices.py 2 'make test-gpu'
-	COMPOSER_JOIN_DEVICE=gpu $(VENV)/bin/pytest $(GPU_TESTS)
+	$(VENV)/bin/python tests/gpu_suite.py test
 
 bench-gpu: $(STAMP)
-	@$(VENV)/bin/python tests/devices.py 2 'make bench-gpu'
-	COMPOSER_JOIN_DEVICE=gpu $(VENV)/bin/python benchmarks/run.py --out benchmarks/gpu \
-		--max-ranks $$($(VENV)/bin/python tests/devices.py --count)
+	$(VENV)/bin/python tests/gpu_suite.py bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -16,7 +16,7 @@ to the same parameters on every rank. Three pieces see to that:
   them there (one all-reduce of one integer).
 * :class:`GradientUnits`: FSDP has no ``find_unused_parameters``. After each microbatch's loss,
   before its backward pass, the parameters its autograd graph reaches are compared across ranks
-  (one all-reduce of one integer per gradient unit); where they differ, every rank raises
+  (one all-reduce of one integer per gradient unit, on the host over gloo: no GPU sync); where they differ, every rank raises
   :class:`~composer_join.UnevenInputsError` instead of hanging in the reduce-scatter. A gradient
   unit is an FSDP1 flat parameter (parameters unused inside a used flat parameter get zeros, so
   FSDP1 copes with those) or an FSDP2 parameter.
@@ -160,11 +160,15 @@ class GradientUnits:
         return leaves
 
     def check(self, loss: Any, plan: StepPlan, to_device: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Raise :class:`UnevenInputsError` on every rank if ``loss`` reaches a unit that another rank's does not."""
+        """Raise :class:`UnevenInputsError` on every rank if ``loss`` reaches a unit that another rank's does not.
+
+        The used-unit flags are known on the host (from the graph walk) and all-reduced on the host, over
+        gloo (:func:`host_group`: the default group under gloo, a gloo group beside NCCL), so the check
+        never waits for the GPU: the forward's kernels keep running while the ranks compare flags.
+        """
         reached = _autograd_leaves(loss)
         used = torch.tensor([leaf is not None and id(leaf) in reached for leaf in self._leaves()], dtype=torch.int32)
-        used = to_device(used)
-        dist.all_reduce(used, reduce_operation='SUM')
+        torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.SUM, group=host_group())  # CPU tensor, gloo
         world = dist.get_world_size()
         names = [n for n, _ in self._fsdp1] + [n for n, _ in self._fsdp2]
         partial = [(names[i], int(c)) for i, c in enumerate(used.tolist()) if 0 < c < world]
@@ -179,6 +183,22 @@ class GradientUnits:
                 f'the forward use every parameter (e.g. multiply an unused branch by zero instead of skipping it), '
                 f'or train this model with DDP, where UnevenJoin supports unused parameters.',
             )
+
+
+_HOST_GROUP: list = []  # [group] once made (None: the default group is gloo already)
+
+
+def host_group():
+    """A process group for small agreements made on the host: None (the default group) if that is gloo, else a gloo group.
+
+    Made once per process, on first use, which must be on every rank at the same point (a
+    collective): ``GradientUnits.check``, called on every rank for every microbatch. Under NCCL a
+    CPU tensor all-reduced over gloo costs the host a network round trip but no GPU synchronisation.
+    """
+    if not _HOST_GROUP:
+        default = torch.distributed.get_backend()
+        _HOST_GROUP.append(None if default == 'gloo' else torch.distributed.new_group(backend='gloo'))
+    return _HOST_GROUP[0]
 
 
 def _autograd_leaves(loss: Any) -> set[int]:
@@ -246,6 +266,8 @@ class FSDPWrapper(Wrapper):
             self._model = state.model
             self._guard = BufferGuard(state.model)
             self._units = GradientUnits(state.model)
+            if len(self._units):
+                host_group()  # made here, on every rank at once (a collective), not at a first check an OOM may skip
 
     def start_step(self, plan: StepPlan) -> None:
         self._oom.start_step()

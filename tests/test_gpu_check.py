@@ -118,3 +118,19 @@ def test_bench_below_its_world_sizes_still_writes_results(tmp_path):
     import rebalance
 
     assert rebalance.run(True, tmp_path, max_ranks=1).startswith('## 3. Rebalancing\n\nNot run: every world size')
+
+
+def test_fsdp_unused_parameter_check_agrees_on_the_host_over_gloo(monkeypatch):
+    """No GPU sync per microbatch: beside NCCL, the check's flags go over a gloo group made once."""
+    import torch
+
+    from composer_join import fsdp
+
+    made = []
+    monkeypatch.setattr(fsdp, '_HOST_GROUP', [])
+    monkeypatch.setattr(torch.distributed, 'get_backend', lambda *a: 'nccl')
+    monkeypatch.setattr(torch.distributed, 'new_group', lambda backend: made.append(backend) or 'gloo-group')
+    assert fsdp.host_group() == fsdp.host_group() == 'gloo-group' and made == ['gloo']
+    monkeypatch.setattr(fsdp, '_HOST_GROUP', [])
+    monkeypatch.setattr(torch.distributed, 'get_backend', lambda *a: 'gloo')
+    assert fsdp.host_group() is None and made == ['gloo']  # under gloo: the default group

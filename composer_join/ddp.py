@@ -171,7 +171,7 @@ class DDPWrapper(Wrapper):
     def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
         if self._first_microbatch:
             self._first_microbatch, step = False, int(state.timestamp.batch)
-            if step == self._last_step:
+            if step == self._last_step and state.auto_microbatching:  # Composer retries this step
                 disarm_after_retry(state.model)
             self._last_step = step
         self._sync.before_forward(state.model, plan, self._rank, samples)

@@ -44,7 +44,7 @@ from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, 
 from composer_join.plan import StepPlan
 from composer_join.rebalance import RebalancingLoader
 from composer_join.report import EpochReport
-from composer_join.resume import own_sample_counts, restore, snapshot, train_position
+from composer_join.resume import RankDatasets, own_sample_counts, restore, resume_counts, snapshot, train_position
 from composer_join.wrapper import Wrapper, wrapper_for
 
 __all__ = ['UnevenJoin', 'is_shadow_step']
@@ -148,6 +148,8 @@ class UnevenJoin(Algorithm):
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
         self._resumed_report: Optional[EpochReport] = None  # the checkpoint's partial epoch, until FIT_START
         self._wrapper_state: dict[str, Any] = {}  # the checkpoint's wrapper state, until the wrapper exists
+        self._rank_datasets: Optional[RankDatasets] = None  # a train dataset that resumes itself, per rank
+        self._resumed_ranks: Optional[list] = None  # the checkpoint's per-rank dataset states, until FIT_START
 
     def __repr__(self) -> str:
         return self._repr
@@ -164,14 +166,20 @@ class UnevenJoin(Algorithm):
         return plan is not None and not plan.has_batch(self._rank)
 
     def state_dict(self) -> dict[str, Any]:
-        """Saved in Composer checkpoints: the epoch reports (the current one partial) and the wrapper's state."""
+        """Saved in Composer checkpoints: the epoch reports (the current one partial) and the wrapper's state.
+
+        With a train dataset that resumes itself, also every rank's own dataset state: then this is
+        collective (one ``all_gather_object``), as Composer's ``State.state_dict()`` is under FSDP:
+        Composer calls it on every rank.
+        """
         current = self._train_loader.report if self._train_loader is not None else self._resumed_report
         wrapper = self._wrapper.state_dict() if self._wrapper is not None else self._wrapper_state
-        return {**super().state_dict(), **snapshot(self.reports, current, wrapper)}
+        ranks = self._rank_datasets.gather() if self._rank_datasets is not None else self._resumed_ranks
+        return {**super().state_dict(), **snapshot(self.reports, current, wrapper, ranks)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Called by Composer when it loads a checkpoint (``load_path``, ``autoresume``), before ``fit``."""
-        self.reports, self._resumed_report, self._wrapper_state = restore(state)
+        self.reports, self._resumed_report, self._wrapper_state, self._resumed_ranks = restore(state)
         if self._wrapper is not None:
             self._wrapper.load_state_dict(self._wrapper_state)
 
@@ -239,7 +247,14 @@ class UnevenJoin(Algorithm):
         if self._resumed_report is not None:
             loader.report, self._resumed_report = self._resumed_report, None
         # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader.
-        own_sample_counts(state._dataset_of(state.train_dataloader), loader.own_samples)
+        dataset = state._dataset_of(state.train_dataloader)
+        own_sample_counts(dataset, loader.own_shard_samples)
+        if RankDatasets.applies(dataset):
+            self._rank_datasets = RankDatasets(state, dataset, loader.own_samples, loader.own_shard_samples)
+            if self._resumed_ranks is not None and state.dataset_resumption.get('train'):
+                resume_counts(loader, self._rank_datasets.load(self._resumed_ranks), self._resumed_ranks,
+                              mid_epoch=int(state.timestamp.sample_in_epoch) > 0)
+            self._resumed_ranks = None
         self._wrapper.fit_start(state, lambda: self.plan)
 
     def _eval_start(self, state: State) -> None:

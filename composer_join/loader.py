@@ -104,6 +104,8 @@ class JoinLoader:
         self._ended = False  # the current epoch ended by agreement (no rank has data left)
         self._failure: Optional[tuple[int, BaseException]] = None  # step and cause, on a step planned from lengths
         self._unreported = 0  # own samples on steps planned from lengths, not yet sent in an agreement
+        self.trained = 0  # own real samples yielded in the current epoch (-1: uncountable)
+        self.resumed_samples = 0  # own samples trained before a mid-epoch resume the dataset made itself
         self._rank, self._world = dist.get_global_rank(), dist.get_world_size()
         # Train only: () -> (epoch, first step, steps Composer skips), read when iteration starts
         # (composer_join.resume.train_position), so a mid-epoch resume reshuffles and counts right.
@@ -115,9 +117,14 @@ class JoinLoader:
         return self.lengths[self._rank] if self.lengths else None
 
     def own_samples(self) -> int:
-        """Samples this rank has trained in the current epoch so far (-1 if uncountable)."""
-        reported = self.report.real_samples[self._rank]
-        return -1 if min(reported, self._unreported) < 0 else reported + self._unreported
+        """Samples this rank has trained in the current epoch so far, up to the last batch it yielded (-1 if uncountable)."""
+        return self.trained
+
+    def own_shard_samples(self) -> int:
+        """Samples of this rank's own dataloader used in the current epoch so far: trained here, or (rebalance) given away."""
+        if isinstance(self.dataloader, RebalancingLoader):
+            return self.dataloader.consumed_samples(self.steps)
+        return self.trained
 
     @property
     def planned_steps(self) -> int:
@@ -145,10 +152,13 @@ class JoinLoader:
         if self.position is not None:
             epoch, first, skipped = self.position()
             self.set_epoch(epoch)
+        if isinstance(self.dataloader, RebalancingLoader):
+            self.dataloader.start = first  # the dataset resumed itself at step `first` (else 0)
         batches = iter(self.dataloader)
         if first + skipped == 0 or self.report.epoch != self.epoch:  # else: resuming the report's epoch
             self.report = EpochReport(epoch=self.epoch, world_size=self._world)
         self._ended, self._failure, self._unreported = False, None, 0
+        self.trained = self.resumed_samples if first else 0
         planned = self.planned_steps
         step = self.steps = first
         pending = self._fetch_and_agree(batches, step, planned)
@@ -177,6 +187,8 @@ class JoinLoader:
                 pending = None if self.length is not None and step + 1 >= self.length else \
                     self._fetch_and_agree(batches, step + 1, planned)
                 self.steps = step + 1
+                if status.has_batch:
+                    self.trained = -1 if min(self.trained, status.samples) < 0 else self.trained + status.samples
                 yield batch if status.has_batch else first_samples(self.template, 0)
                 step += 1
         finally:
@@ -350,6 +362,8 @@ def join_dataloader(
             to_device=state.device.tensor_to_device,
             lengths=lengths,
         )
+    if isinstance(loader.dataloader, RebalancingLoader):
+        loader.dataloader.count = lambda batch: loader.describe(batch)[0]
     label = state.dataloader_label
     state.set_dataloader(loader, label, -1 if shared is None else shared)
     log.info('UnevenJoin: %s batches per rank %s; every rank runs %s steps.', label, own_lens,

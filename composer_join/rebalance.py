@@ -179,6 +179,8 @@ class RebalancingLoader:
         self._read_samples = {}
         reader = _Reader(self.dataloader, self.counts[self.rank], self.check_overflow)
         reader.read = sum(1 for row in self.steps[:self.start] for c in row if c is not None and c[0] == self.rank)
+        if self.start:  # a dataset that resumed itself applies its state at its next iteration: this one
+            reader._it = iter(self.dataloader)
         for step, row in enumerate(self.steps):
             if step < self.start:
                 continue

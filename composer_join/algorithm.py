@@ -41,9 +41,10 @@ from composer.utils import dist
 from composer_join.batches import first_samples
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
-from composer_join.plan import StepPlan
+from composer_join.plan import StepPlan, agree_on_length
 from composer_join.rebalance import RebalancingLoader
 from composer_join.report import EpochReport
+from composer_join.settings import row as settings_row
 from composer_join.resume import RankDatasets, own_sample_counts, restore, resume_counts, snapshot, train_position
 from composer_join.wrapper import Wrapper, wrapper_for
 
@@ -98,7 +99,9 @@ class UnevenJoin(Algorithm):
             the gradient is divided by the full world size even when some ranks have joined
             (the mean over real samples times ``A_t / W``); if False, by the number of ranks that
             still have data (the plain mean over real samples).
-        enable: if False the algorithm does nothing and Composer behaves as without it.
+        enable: if False the algorithm does nothing and Composer behaves as without it (after one
+            small all-reduce at the first fit or evaluation, with more than one rank, that checks that
+            every rank agrees: settings that differ between ranks stop every rank with an error).
         throw_on_early_termination: if True, every rank raises :class:`UnevenInputsError` at the
             first training step where some rank has no batch left, before any optimizer step for
             it. (Evaluation always joins: uneven eval shards are evaluated exactly.)
@@ -131,6 +134,7 @@ class UnevenJoin(Algorithm):
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.enable = enable
         self.throw_on_early_termination = throw_on_early_termination
+        self._settings = settings_row(enable, mode, throw_on_early_termination, divide_by_initial_world_size)
         self.reports: list[EpochReport] = []  # one per finished training epoch, the same on every rank
         self._repr = (
             f'UnevenJoin(divide_by_initial_world_size={divide_by_initial_world_size}, '
@@ -187,7 +191,7 @@ class UnevenJoin(Algorithm):
         return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
-        if event in _STARTS and not self._activate():
+        if event in _STARTS and not self._activate(state):
             return
         if self._wrapper is None:  # chosen once, at the first FIT_START or EVAL_START
             self._wrapper = wrapper_for(state, self._rank)
@@ -227,9 +231,13 @@ class UnevenJoin(Algorithm):
 
     # -- starting ----------------------------------------------------------------------------------
 
-    def _activate(self) -> bool:
+    def _activate(self, state: State) -> bool:
         if self._active is None:
             why = 'enable=False' if not self.enable else 'world size is 1' if dist.get_world_size() == 1 else None
+            if not self.enable and dist.get_world_size() > 1:
+                # Take part in the enabled ranks' first agreement (its only collective): a rank disabled among
+                # enabled ones then stops every rank with an error naming it (composer_join.settings).
+                agree_on_length(None, None, state.device.tensor_to_device, self._settings)
             self._active = why is None
             self._rank = dist.get_global_rank()
             if why is not None:
@@ -242,7 +250,8 @@ class UnevenJoin(Algorithm):
 
     def _fit_start(self, state: State) -> None:
         self._train_loader = self._loader = loader = join_dataloader(
-            state, self._train_loader, self.throw_on_early_termination, rebalance=self.mode == 'rebalance')
+            state, self._train_loader, self.throw_on_early_termination, rebalance=self.mode == 'rebalance',
+            settings=self._settings)
         loader.position = lambda: train_position(state)
         if self._resumed_report is not None:
             loader.report, self._resumed_report = self._resumed_report, None
@@ -250,7 +259,8 @@ class UnevenJoin(Algorithm):
         dataset = state._dataset_of(state.train_dataloader)
         own_sample_counts(dataset, loader.own_shard_samples)
         if RankDatasets.applies(dataset):
-            self._rank_datasets = RankDatasets(state, dataset, loader.own_samples, loader.own_shard_samples)
+            self._rank_datasets = RankDatasets(state, dataset, loader.own_samples, loader.own_shard_samples,
+                                               lambda: getattr(loader.dataloader, 'bytes_sent', 0))
             if self._resumed_ranks is not None and state.dataset_resumption.get('train'):
                 resume_counts(loader, self._rank_datasets.load(self._resumed_ranks), self._resumed_ranks,
                               mid_epoch=int(state.timestamp.sample_in_epoch) > 0)
@@ -268,6 +278,7 @@ class UnevenJoin(Algorithm):
         self._eval_loaders[label] = self._loader = join_dataloader(
             state, self._eval_loaders.get(label),
             microbatch_size=evaluator.device_eval_microbatch_size if evaluator is not None else None,
+            settings=self._settings,
         )
         self._loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
         self._wrapper.eval_start(state, lambda: self.plan)

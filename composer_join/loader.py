@@ -322,7 +322,7 @@ class JoinLoader:
 
 def join_dataloader(
     state: State, cached: Optional[JoinLoader] = None, throw: bool = False, microbatch_size: Any = None,
-    rebalance: bool = False,
+    rebalance: bool = False, settings: Sequence[int] = (),
 ) -> JoinLoader:
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
@@ -331,7 +331,8 @@ def join_dataloader(
     with the template it holds. ``throw`` is ``throw_on_early_termination``. Microbatch counts are
     predicted with ``microbatch_size`` (an evaluator's), by default the train microbatch size.
     ``rebalance``: put a :class:`~composer_join.rebalance.RebalancingLoader` between the two
-    (``mode='rebalance'``).
+    (``mode='rebalance'``). ``settings``: UnevenJoin's (:func:`composer_join.settings.row`), checked
+    to be the same on every rank in the same collective.
     """
     dataloader = state.dataloader
     current = None if state.dataloader_len is None else int(state.dataloader_len)
@@ -342,7 +343,7 @@ def join_dataloader(
     own_len = len_or_none(dataloader)
     if rebalance and own_len is not None and current is not None:
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
-    shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device)
+    shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device, settings)
     lengths = own_lens
     if rebalance:  # the lengths are then each rank's assigned batches, own and received
         dataloader, shared, check_overflow, lengths = rebalanced(dataloader, own_lens, shared, check_overflow,

@@ -128,6 +128,7 @@ class RebalancingLoader:
         # ``resumed_samples`` (own samples used before it); ``count`` counts a batch's samples.
         self.start = 0
         self.resumed_samples = 0
+        self.resumed_bytes = 0  # bytes this rank sent in the epoch before the step it resumed at
         self.count: Callable[[Any], int] = lambda batch: 0
         self._read_samples: dict[int, int] = {}  # step -> samples of own batches read for it (trained or given)
 
@@ -175,7 +176,7 @@ class RebalancingLoader:
         report.bytes_sent = [int(v) for v in sent.cpu().tolist()]
 
     def __iter__(self) -> Iterator[Any]:
-        self.bytes_sent = self.bytes_received = 0
+        self.bytes_sent, self.bytes_received = self.resumed_bytes if self.start else 0, 0
         self._read_samples = {}
         reader = _Reader(self.dataloader, self.counts[self.rank], self.check_overflow)
         reader.read = sum(1 for row in self.steps[:self.start] for c in row if c is not None and c[0] == self.rank)

@@ -104,12 +104,14 @@ class RankDatasets:
         dataset: this rank's train dataset, already wrapped by :func:`own_sample_counts`.
         trained: ``() -> samples this rank trained in the current epoch`` (its report count).
         used: ``() -> samples of this rank's shard used in the current epoch`` (what the dataset gets).
+        sent: ``() -> bytes this rank sent in the current epoch`` (``mode='rebalance'``).
 
     :meth:`gather` is collective: call it on every rank, as Composer's ``State.state_dict()`` is.
     """
 
-    def __init__(self, state: State, dataset: Any, trained: Callable[[], int], used: Callable[[], int]):
-        self.state, self.dataset, self.trained, self.used = state, dataset, trained, used
+    def __init__(self, state: State, dataset: Any, trained: Callable[[], int], used: Callable[[], int],
+                 sent: Callable[[], int] = lambda: 0):
+        self.state, self.dataset, self.trained, self.used, self.sent = state, dataset, trained, used, sent
 
     @staticmethod
     def applies(dataset: Any) -> bool:
@@ -118,11 +120,12 @@ class RankDatasets:
                 and not _splits_globally(dataset))
 
     def gather(self) -> list[dict[str, Any]]:
-        """Per rank: ``{'trained', 'used', 'dataset'}`` (its dataset's own ``state_dict``). One ``all_gather_object``."""
+        """Per rank: ``{'trained', 'used', 'sent', 'dataset'}`` (its dataset's own ``state_dict``). One ``all_gather_object``."""
         num_samples = int(self.state.timestamp.sample_in_epoch)
         mine = {
             'trained': self.trained() if num_samples else 0,
             'used': self.used() if num_samples else 0,
+            'sent': self.sent() if num_samples else 0,
             'dataset': self.dataset.state_dict(num_samples, True),
         }
         return dist.all_gather_object(mine)
@@ -151,7 +154,7 @@ def resume_counts(loader: Any, own: dict[str, Any], saved: list[dict[str, Any]],
         return
     loader.resumed_samples = own['trained']
     if hasattr(loader.dataloader, 'resumed_samples'):  # a RebalancingLoader: its shard's samples, given ones too
-        loader.dataloader.resumed_samples = own['used']
+        loader.dataloader.resumed_samples, loader.dataloader.resumed_bytes = own['used'], own.get('sent', 0)
     loader.report.real_samples = [int(entry['trained']) for entry in saved]
 
 

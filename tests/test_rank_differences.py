@@ -82,7 +82,7 @@ def test_the_uninterrupted_run_trains_every_sample_once_per_epoch(runs, name):
 def test_the_uninterrupted_run_matches_the_reference(runs, name):
     cfg = dict(RESUME[name])
     if 'batch_sizes' in cfg:
-        cfg['batch_plan'] = [[b] * (n // b) + ([n % b] if n % b else []) for n, b in zip(cfg['shards'], cfg['batch_sizes'])]
+        cfg['batch_size'], cfg['batch_plan'] = 0, [[b] * (n // b) + ([n % b] if n % b else []) for n, b in zip(cfg['shards'], cfg['batch_sizes'])]
     ref = reference.train(cfg)
     for rank, res in enumerate(ok(runs, name)):
         assert reference.max_abs_diff(res['full']['params'], ref['params']) < 1e-5, f'{name}: rank {rank}'

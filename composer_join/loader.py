@@ -37,7 +37,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from composer_join.batches import first_samples, sample_lists, to_cpu
+from composer_join.batches import first_samples, to_cpu
+from composer_join.dataspec import ShadowSplit, count_microbatches, count_samples, spec_for
 from composer_join.errors import UnevenInputsError
 from composer_join.plan import (
     Agreement, RankStatus, StepPlan, agree_on_failures, agree_on_length, len_or_none, plan_from_lengths,
@@ -263,13 +264,6 @@ class JoinLoader:
                 if self.check_overflow and self.length is not None and step == self.length - 1:
                     overflow = _has_more(batches)
                 return batch, RankStatus(True, samples, microbatches, overflow=overflow, structure=fingerprint(batch)), None
-        if self.template is not None and sample_lists(self.template):
-            return None, RankStatus(has_batch=False, failed=True), UnevenInputsError(
-                f'rank {dist.get_global_rank()} ran out of data at step {step} and must shadow the others, but its '
-                f'batches hold Python lists of samples (e.g. strings), which Composer\'s default split_batch cannot '
-                f'split when empty. Make the dataloader yield tensors only, or use '
-                f'UnevenJoin(throw_on_early_termination=True) to stop instead.',
-            )
         return None, RankStatus(has_batch=False, samples=0, microbatches=1, needs_template=self.template is None,
                                 structure=0 if self.template is None else fingerprint(self.template)), None
 
@@ -352,7 +346,7 @@ def join_dataloader(
         loader = cached
         loader.length, loader.check_overflow, loader.lengths = shared, check_overflow, lengths
     else:
-        spec = DataSpec(dataloader)
+        spec = ShadowSplit.installed(spec_for(state, dataloader))  # Composer's, so counts are its counts
         loader = JoinLoader(
             dataloader,
             describe=lambda batch: _describe(
@@ -373,14 +367,11 @@ def join_dataloader(
 
 
 def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, int]:
-    """(samples, microbatches) as Composer's default ``DataSpec`` counts and splits ``batch``."""
-    try:
-        samples = int(spec.get_num_samples_in_batch(batch))
-    except (ValueError, NotImplementedError, TypeError, AttributeError):
+    """(samples, microbatches) as Composer will count and split ``batch`` with ``spec`` (its own ``DataSpec``)."""
+    samples = count_samples(spec, batch)
+    if samples < 0:
         return -1, 0
-    if not isinstance(microbatch_size, int) or microbatch_size <= 0:
-        return samples, 0
-    return samples, max(1, -(-samples // microbatch_size))
+    return samples, count_microbatches(spec, batch, microbatch_size, samples)
 
 
 def _has_more(batches: Iterator[Any]) -> bool:

@@ -260,7 +260,8 @@ class UnevenJoin(Algorithm):
         own_sample_counts(dataset, loader.own_shard_samples)
         if RankDatasets.applies(dataset):
             self._rank_datasets = RankDatasets(state, dataset, loader.own_samples, loader.own_shard_samples,
-                                               lambda: getattr(loader.dataloader, 'bytes_sent', 0))
+                                               lambda: loader.dataloader.sent_bytes(loader.steps)
+                                               if isinstance(loader.dataloader, RebalancingLoader) else 0)
             if self._resumed_ranks is not None and state.dataset_resumption.get('train'):
                 resume_counts(loader, self._rank_datasets.load(self._resumed_ranks), self._resumed_ranks,
                               mid_epoch=int(state.timestamp.sample_in_epoch) > 0)

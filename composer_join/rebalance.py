@@ -131,6 +131,11 @@ class RebalancingLoader:
         self.resumed_bytes = 0  # bytes this rank sent in the epoch before the step it resumed at
         self.count: Callable[[Any], int] = lambda batch: 0
         self._read_samples: dict[int, int] = {}  # step -> samples of own batches read for it (trained or given)
+        self._sent: dict[int, int] = {}  # step -> bytes sent for it
+
+    def sent_bytes(self, steps: int) -> int:
+        """Bytes this rank sent for the first ``steps`` steps of the epoch (batches are sent a step ahead)."""
+        return (self.resumed_bytes if self.start else 0) + sum(n for s, n in self._sent.items() if s < steps)
 
     def consumed_samples(self, steps: int) -> int:
         """Samples of this rank's own dataloader used by the first ``steps`` steps of the epoch (-1: uncountable)."""
@@ -177,7 +182,7 @@ class RebalancingLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self.bytes_sent, self.bytes_received = self.resumed_bytes if self.start else 0, 0
-        self._read_samples = {}
+        self._read_samples, self._sent = {}, {}
         reader = _Reader(self.dataloader, self.counts[self.rank], self.check_overflow)
         reader.read = sum(1 for row in self.steps[:self.start] for c in row if c is not None and c[0] == self.rank)
         if self.start:  # a dataset that resumed itself applies its state at its next iteration: this one
@@ -202,9 +207,11 @@ class RebalancingLoader:
                 reader.check_end()
             except Exception as e:  # the receivers must hear of it, or they would wait forever
                 failure = e
+            before = self.bytes_sent
             for i, q in enumerate(receivers):
                 refused = self._send(batches[i + 1] if failure is None else None, q, step)
                 failure = failure or refused
+            self._sent[step] = self.bytes_sent - before
             if failure is not None:
                 raise failure
             yield batches[0]

@@ -12,6 +12,15 @@ step, the samples the uninterrupted run trained after the checkpoint, and end wi
 optimizer state, timestamps and reports: when rank 0 runs out first, when batch sizes differ
 between ranks (checkpoints on steps planned from the lengths), in ``mode='rebalance'``, and from
 FSDP2 sharded checkpoints.
+
+**Settings that differ between ranks** stop every rank before the first step, with an error naming
+each differing setting and the ranks holding each value; a rank without UnevenJoin at all makes the
+first agreement fail at once (gloo: that rank aborts), and the UnevenJoin ranks say what is likely.
+
+**Batches of Python lists** (raw strings, records) shadow like tensor batches, counted and split by
+the user's ``DataSpec`` (Composer's default cannot count them), under DDP and FSDP2, and match the
+single-process reference; where an FSDP batch splits into more microbatches than counted, every
+rank stops at the same step.
 """
 
 from __future__ import annotations
@@ -42,11 +51,38 @@ RESUME: dict[str, dict] = {
 }
 
 
+SHARDS = [16, 8, 4]
+SETTINGS: dict[str, list] = {  # per rank: UnevenJoin(**kwargs)
+    'mode': [{}, {'mode': 'rebalance'}, {}],
+    'throw_and_divide': [{'divide_by_initial_world_size': False}, {}, {'throw_on_early_termination': True}],
+    'enable': [{}, {}, {'enable': False}],
+    'all_disabled': [{'enable': False}] * 3,  # the same everywhere: stock Composer, no error
+}
+
+LISTS: dict[str, dict] = {
+    # records (one dict per sample) split into pairs by a custom split_batch, an empty shard, multi_auto_sync
+    'records_ddp': dict(fmt='records', split='pairs', shards=[20, 9, 0], batch_size=4, epochs=2, microbatch=3,
+                        sync='multi_auto_sync'),
+    # raw strings, parsed by the model; Composer's default split (which cannot split an empty list)
+    'strings_ddp': dict(fmt='strings', shards=[13, 24, 6], batch_size=8, epochs=1, microbatch=3,
+                        sync='multi_auto_sync'),
+    # FSDP2: pairs give 4 microbatches for 8 samples (Composer's default would give 3), padded across ranks
+    'records_fsdp2': dict(fmt='records', split='pairs', shards=[20, 9, 13], batch_size=8, epochs=1, microbatch=3,
+                          wrapper='fsdp2'),
+    # a batch_transforms that doubles every batch after it was counted: more microbatches than counted
+    'doubling_fsdp2': dict(fmt='records', split='pairs', shards=[20, 9, 13], batch_size=8, epochs=1, microbatch=3,
+                           wrapper='fsdp2', doubling=True, expect_error=True),
+}
+
+
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory) -> dict:
     calls = [(name, 'scenarios_resume:resume_cases', dict(cfg=cfg, folder=str(tmp_path_factory.mktemp(name))))
              for name, cfg in RESUME.items()]
-    return launch(WORLD, calls, timeout=420)
+    calls += [(name, 'scenarios_ranks:with_settings', dict(per_rank=per_rank, shards=SHARDS))
+              for name, per_rank in SETTINGS.items()]
+    calls += [(name, 'scenarios_ranks:train_lists', dict(cfg=cfg)) for name, cfg in LISTS.items()]
+    return launch(WORLD, calls, timeout=480)
 
 
 def ok(runs: dict, name: str) -> list:
@@ -82,7 +118,80 @@ def test_the_uninterrupted_run_trains_every_sample_once_per_epoch(runs, name):
 def test_the_uninterrupted_run_matches_the_reference(runs, name):
     cfg = dict(RESUME[name])
     if 'batch_sizes' in cfg:
-        cfg['batch_size'], cfg['batch_plan'] = 0, [[b] * (n // b) + ([n % b] if n % b else []) for n, b in zip(cfg['shards'], cfg['batch_sizes'])]
+        cfg['batch_size'] = 0
+        cfg['batch_plan'] = [[b] * (n // b) + ([n % b] if n % b else []) for n, b in zip(cfg['shards'],
+                                                                                          cfg['batch_sizes'])]
     ref = reference.train(cfg)
     for rank, res in enumerate(ok(runs, name)):
         assert reference.max_abs_diff(res['full']['params'], ref['params']) < 1e-5, f'{name}: rank {rank}'
+
+
+# -- settings ---------------------------------------------------------------------------------------
+
+
+def test_settings_that_differ_between_ranks_stop_every_rank_before_the_first_step(runs):
+    expected = {
+        'mode': ["mode='shadow' on rank(s) [0, 2], mode='rebalance' on rank(s) [1]"],
+        'throw_and_divide': ['throw_on_early_termination=False on rank(s) [0, 1], throw_on_early_termination=True '
+                             'on rank(s) [2]', 'divide_by_initial_world_size=False on rank(s) [0], '
+                             'divide_by_initial_world_size=True on rank(s) [1, 2]'],
+        'enable': ['enable=True on rank(s) [0, 1], enable=False on rank(s) [2]'],
+    }
+    for name, parts in expected.items():
+        for rank, res in enumerate(ok(runs, name)):
+            assert res['error'].startswith('UnevenJoin is configured differently on different ranks: '), (name, res)
+            for part in parts:
+                assert part in res['error'], (name, rank, res['error'])
+            assert res['batch'] == 0, f'{name}: rank {rank} trained {res["batch"]} steps'
+    for res in ok(runs, 'all_disabled'):  # disabled everywhere: Composer as without it (it stops at the shortest)
+        assert res['error'] is None and res['batch'] == 1
+
+
+def test_a_rank_without_uneven_join_fails_at_once_with_a_clear_message_on_the_others():
+    # Rank 1 has no UnevenJoin: its first collective of the epoch is Composer's one-byte "exhausted" all-reduce,
+    # where ranks 0 and 2 run UnevenJoin's first agreement. On gloo rank 1 aborts; the others must say why.
+    calls = [('absent', 'scenarios_ranks:with_settings', dict(per_rank=[{}, None, {}], shards=SHARDS))]
+    with pytest.raises(AssertionError) as failed:
+        launch(WORLD, calls, timeout=120, collective_timeout=20)
+    output = str(failed.value)
+    assert 'rank 1 exited with' in output  # the launch reports the aborted rank
+    for rank in (0, 2):
+        line = next(line for line in output.splitlines() if line.startswith(f'rank {rank} stopped after'))
+        assert 'at batch 0: UnevenJoin\'s first agreement (at the start of fit or evaluation) failed' in line
+        assert 'a rank whose Trainer has no UnevenJoin in its algorithms' in line
+        seconds = float(line.split(' stopped after ')[1].split(' s ')[0])
+        assert seconds < 10, f'rank {rank} waited {seconds} s (the collective timeout is 20 s)'
+
+
+# -- list batches, custom DataSpecs -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', ['records_ddp', 'strings_ddp', 'records_fsdp2'])
+def test_list_batches_shadow_and_match_the_reference(runs, name):
+    cfg = LISTS[name]
+    ref = reference.train(cfg)
+    for rank, res in enumerate(ok(runs, name)):
+        assert res['error'] is None
+        assert reference.max_abs_diff(res['params'], ref['params']) < 1e-5, f'{name}: rank {rank}'
+        assert any(res['shadow']) == (cfg['shards'][rank] < max(cfg['shards'])) or cfg['shards'][rank] % 8 == 0
+        # the report counts with the DataSpec (len): Composer's default cannot count these batches
+        assert res['reports'][0]['real_samples'] == cfg['shards']
+
+
+def test_microbatches_are_the_dataspecs_split(runs):
+    # 'pairs' splits 4 samples into 2 microbatches, a shadow batch into 1 (records_ddp, multi_auto_sync)
+    per_rank = ok(runs, 'records_ddp')
+    assert per_rank[0]['microbatches'] == [2] * 10
+    assert per_rank[1]['microbatches'] == [2, 2, 1, 1, 1] * 2  # 9 = 4 + 4 + 1, then shadow steps
+    assert per_rank[2]['microbatches'] == [1] * 10  # an empty shard: shadow steps only
+    # FSDP2: 8 samples in pairs are 4 microbatches; every rank runs the step's largest count (padding)
+    assert all(res['microbatches'] == [4, 4, 2] for res in ok(runs, 'records_fsdp2'))
+
+
+def test_an_fsdp_batch_that_splits_into_more_microbatches_than_counted_stops_every_rank_at_once(runs):
+    per_rank = ok(runs, 'doubling_fsdp2')
+    for rank in (0, 2):  # 8 + 8 (rank 0) and 5 + 5 (rank 2) samples after doubling: 8 and 5 pairs, 4 counted
+        assert per_rank[rank]['error'].startswith(f'split_batch gave {[8, 0, 5][rank]} microbatches on rank {rank} '
+                                                  f'at step 1, more than the 4 counted when the batch was fetched')
+    assert per_rank[1]['error'].startswith('rank(s) [0, 2] cannot run step 1 under FSDP')
+    assert all(res['microbatches'] == [8, 1] for res in per_rank)  # step 1 stopped at its first microbatch

@@ -37,11 +37,11 @@ WORLD = 3
 RESUME: dict[str, dict] = {
     # the case: shards of 8, 24 and 20 in batches of 4 (2, 6, 5 batches); at batch 4 rank 0 shadows
     # and ranks 1 and 2 have trained 16 samples each. 9 = epoch 1, step 3.
-    'rank0_short': dict(data='self_resuming', shards=[8, 24, 20], batch_size=4, epochs=2, resume_at=[1, 4, 9]),
+    'rank0_short': dict(data='self_resuming', shards=[8, 24, 20], batch_size=4, epochs=2, resume_at=[4, 9]),
     # batches of 2, 1 and 3 samples (11, 6, 5 batches): steps 0-3 are planned from the lengths, without
     # agreement (checkpoints 2 and 14 fall there), steps 4-10 agreed
     'batch_sizes': dict(data='self_resuming', shards=[21, 6, 13], batch_sizes=[2, 1, 3], epochs=2,
-                        resume_at=[2, 7, 14]),
+                        resume_at=[2, 14]),
     # rebalancing: 2 + 6 + 5 batches in 5 steps per epoch; ranks 0 and 2 receive batches from rank 1
     'rebalance': dict(data='self_resuming', shards=[8, 24, 20], batch_size=4, epochs=2, join={'mode': 'rebalance'},
                       resume_at=[2, 3, 7]),

@@ -44,10 +44,11 @@ from composer_join.batches import first_samples
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.oom import EvalRetry
-from composer_join.plan import StepPlan
+from composer_join.plan import StepPlan, agree_on_length
 from composer_join.rebalance import RebalancingLoader
 from composer_join.report import EpochReport
-from composer_join.resume import own_sample_counts, restore, snapshot, train_position
+from composer_join.settings import row as settings_row
+from composer_join.resume import RankDatasets, own_sample_counts, restore, resume_counts, snapshot, train_position
 from composer_join.wrapper import Wrapper, wrapper_for
 
 __all__ = ['UnevenJoin', 'is_shadow_step']
@@ -101,7 +102,9 @@ class UnevenJoin(Algorithm):
             the gradient is divided by the full world size even when some ranks have joined
             (the mean over real samples times ``A_t / W``); if False, by the number of ranks that
             still have data (the plain mean over real samples).
-        enable: if False the algorithm does nothing and Composer behaves as without it.
+        enable: if False the algorithm does nothing and Composer behaves as without it (after one
+            small all-reduce at the first fit or evaluation, with more than one rank, that checks that
+            every rank agrees: settings that differ between ranks stop every rank with an error).
         throw_on_early_termination: if True, every rank raises :class:`UnevenInputsError` at the
             first training step where some rank has no batch left, before any optimizer step for
             it. (Evaluation always joins: uneven eval shards are evaluated exactly.)
@@ -134,6 +137,7 @@ class UnevenJoin(Algorithm):
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.enable = enable
         self.throw_on_early_termination = throw_on_early_termination
+        self._settings = settings_row(enable, mode, throw_on_early_termination, divide_by_initial_world_size)
         self.reports: list[EpochReport] = []  # one per finished training epoch, the same on every rank
         self._repr = (
             f'UnevenJoin(divide_by_initial_world_size={divide_by_initial_world_size}, '
@@ -152,6 +156,8 @@ class UnevenJoin(Algorithm):
         self._resumed_report: Optional[EpochReport] = None  # the checkpoint's partial epoch, until FIT_START
         self._wrapper_state: dict[str, Any] = {}  # the checkpoint's wrapper state, until the wrapper exists
         self._eval_retry = EvalRetry()  # automatic eval microbatching: undo a retried batch's metric updates
+        self._rank_datasets: Optional[RankDatasets] = None  # a train dataset that resumes itself, per rank
+        self._resumed_ranks: Optional[list] = None  # the checkpoint's per-rank dataset states, until FIT_START
 
     def __repr__(self) -> str:
         return self._repr
@@ -168,14 +174,20 @@ class UnevenJoin(Algorithm):
         return plan is not None and not plan.has_batch(self._rank)
 
     def state_dict(self) -> dict[str, Any]:
-        """Saved in Composer checkpoints: the epoch reports (the current one partial) and the wrapper's state."""
+        """Saved in Composer checkpoints: the epoch reports (the current one partial) and the wrapper's state.
+
+        With a train dataset that resumes itself, also every rank's own dataset state: then this is
+        collective (one ``all_gather_object``), as Composer's ``State.state_dict()`` is under FSDP:
+        Composer calls it on every rank.
+        """
         current = self._train_loader.report if self._train_loader is not None else self._resumed_report
         wrapper = self._wrapper.state_dict() if self._wrapper is not None else self._wrapper_state
-        return {**super().state_dict(), **snapshot(self.reports, current, wrapper)}
+        ranks = self._rank_datasets.gather() if self._rank_datasets is not None else self._resumed_ranks
+        return {**super().state_dict(), **snapshot(self.reports, current, wrapper, ranks)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Called by Composer when it loads a checkpoint (``load_path``, ``autoresume``), before ``fit``."""
-        self.reports, self._resumed_report, self._wrapper_state = restore(state)
+        self.reports, self._resumed_report, self._wrapper_state, self._resumed_ranks = restore(state)
         if self._wrapper is not None:
             self._wrapper.load_state_dict(self._wrapper_state)
 
@@ -183,7 +195,7 @@ class UnevenJoin(Algorithm):
         return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
-        if event in _STARTS and not self._activate():
+        if event in _STARTS and not self._activate(state):
             return
         if self._wrapper is None:  # chosen once, at the first FIT_START or EVAL_START
             self._wrapper = wrapper_for(state, self._rank)
@@ -228,9 +240,13 @@ class UnevenJoin(Algorithm):
 
     # -- starting ----------------------------------------------------------------------------------
 
-    def _activate(self) -> bool:
+    def _activate(self, state: State) -> bool:
         if self._active is None:
             why = 'enable=False' if not self.enable else 'world size is 1' if dist.get_world_size() == 1 else None
+            if not self.enable and dist.get_world_size() > 1:
+                # Take part in the enabled ranks' first agreement (its only collective): a rank disabled among
+                # enabled ones then stops every rank with an error naming it (composer_join.settings).
+                agree_on_length(None, None, state.device.tensor_to_device, self._settings)
             self._active = why is None
             self._rank = dist.get_global_rank()
             if why is not None:
@@ -243,12 +259,22 @@ class UnevenJoin(Algorithm):
 
     def _fit_start(self, state: State) -> None:
         self._train_loader = self._loader = loader = join_dataloader(
-            state, self._train_loader, self.throw_on_early_termination, rebalance=self.mode == 'rebalance')
+            state, self._train_loader, self.throw_on_early_termination, rebalance=self.mode == 'rebalance',
+            settings=self._settings)
         loader.position = lambda: train_position(state)
         if self._resumed_report is not None:
             loader.report, self._resumed_report = self._resumed_report, None
         # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader.
-        own_sample_counts(state._dataset_of(state.train_dataloader), loader.own_samples)
+        dataset = state._dataset_of(state.train_dataloader)
+        own_sample_counts(dataset, loader.own_shard_samples)
+        if RankDatasets.applies(dataset):
+            self._rank_datasets = RankDatasets(state, dataset, loader.own_samples, loader.own_shard_samples,
+                                               lambda: loader.dataloader.sent_bytes(loader.steps)
+                                               if isinstance(loader.dataloader, RebalancingLoader) else 0)
+            if self._resumed_ranks is not None and state.dataset_resumption.get('train'):
+                resume_counts(loader, self._rank_datasets.load(self._resumed_ranks), self._resumed_ranks,
+                              mid_epoch=int(state.timestamp.sample_in_epoch) > 0)
+            self._resumed_ranks = None
         self._wrapper.fit_start(state, lambda: self.plan)
 
     def _eval_start(self, state: State) -> None:
@@ -262,6 +288,7 @@ class UnevenJoin(Algorithm):
         self._eval_loaders[label] = self._loader = join_dataloader(
             state, self._eval_loaders.get(label),
             microbatch_size=(lambda: evaluator.device_eval_microbatch_size) if evaluator is not None else None,
+            settings=self._settings,
         )
         self._loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
         self._wrapper.eval_start(state, lambda: self.plan)

@@ -3,8 +3,8 @@
 A batch is whatever the train dataloader yields: a tensor, a tuple or list of tensors, a mapping
 of name to tensor (Hugging Face style), nested any way. Like Composer's default ``split_batch``,
 the first dimension of every tensor is the sample dimension, and a list or tuple made only of
-primitives (``int``, ``float``, ``str``, ``bool``) is a list of samples. Other leaves are kept as
-they are.
+primitives (``int``, ``float``, ``str``, ``bool``), or only of mappings (records), is a list of
+samples. Other leaves are kept as they are.
 
 Example:
     >>> import torch
@@ -26,7 +26,10 @@ _PRIMITIVES = (int, float, str, bool)
 
 
 def _is_sample_list(x: Any) -> bool:
-    return isinstance(x, (list, tuple)) and all(isinstance(v, _PRIMITIVES) for v in x)
+    """A list or tuple of primitives (raw strings, say), or a non-empty one of mappings (one record per sample)."""
+    if not isinstance(x, (list, tuple)):
+        return False
+    return all(isinstance(v, _PRIMITIVES) for v in x) or (bool(x) and all(isinstance(v, Mapping) for v in x))
 
 
 def _rebuild(container: Any, items: Any) -> Any:
@@ -63,7 +66,11 @@ def first_samples(batch: Any, n: int) -> Any:
     def take(t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone() if t.dim() == 0 else t[:n].detach().clone()
 
-    return map_tensors(take, batch, lists=lambda items: items[:n])
+    # records (mappings) are rebuilt, their tensors cloned: a model may take apart what it is given
+    def record(v: Any) -> Any:  # a sample of its own: copied whole
+        return map_tensors(lambda t: t.detach().clone(), v) if isinstance(v, Mapping) else v
+
+    return map_tensors(take, batch, lists=lambda items: [record(v) for v in items[:n]])
 
 
 def to_cpu(batch: Any) -> Any:

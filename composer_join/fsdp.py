@@ -53,14 +53,21 @@ class MicrobatchPadding:
     splits as before and appends ``max - own`` empty microbatches (the first microbatch cut to
     zero samples). ``plan()`` is the current step's :class:`~composer_join.plan.StepPlan`; without
     one (no UnevenJoin step running) nothing is padded. Cost: nothing beyond the padding itself.
-    A ``split_batch`` that splits into more microbatches than Composer's default would is refused
-    (``UnevenInputsError`` on that rank; the others then wait for the collective timeout).
+    Counts are the ``DataSpec``'s own (its ``split_batch``, :mod:`composer_join.dataspec`). A batch
+    that splits into more microbatches than counted when it was fetched (a ``batch_transforms``
+    that adds samples), or whose padding the ``DataSpec`` cannot count as empty, cannot be padded:
+    with ``failures`` set (by :class:`FSDPWrapper`) the error is kept, the first microbatch runs on
+    every rank, and every rank raises at its loss (:meth:`GradientUnits.check`).
 
     Example::
 
         MicrobatchPadding.install(data_spec, lambda: algorithm.plan)
         data_spec.split_batch(batch_of_2, 3)  # [2 samples]; [2 samples, 0 samples] if a rank has 2 microbatches
     """
+
+    uneven_join_wrapper = True  # composer_join.dataspec.unwrapped_split sees through it
+    count: Optional[Callable[[Any], int]] = None  # the DataSpec's get_num_samples_in_batch (set by FSDPWrapper)
+    failures: Optional[list] = None  # if set, errors go here, to be raised on every rank at once (FSDPWrapper)
 
     def __init__(self, split: Callable[[Any, Any], Any], plan: Callable[[], Optional[StepPlan]],
                  to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, pad: bool = True,
@@ -100,28 +107,36 @@ class MicrobatchPadding:
         if self.checks is not None:
             self.checks.own, self.checks.target = target if self.pad else len(microbatches), target
         if len(microbatches) > target:
-            raise UnevenInputsError(
+            return self._fail(microbatches, UnevenInputsError(
                 f'split_batch gave {len(microbatches)} microbatches on rank {dist.get_global_rank()} at step '
-                f'{plan.step}, more than the {target} predicted with Composer\'s default split (ceil(samples / '
-                f'microbatch size)); under FSDP UnevenJoin pads ranks to the largest predicted count, so a custom '
-                f'split_batch must split as the default does.',
-            )
+                f'{plan.step}, more than the {target} counted when the batch was fetched (with the DataSpec\'s '
+                f'split_batch, before its batch_transforms); under FSDP every rank runs the step\'s largest count, '
+                f'so a batch must split the same way when fetched and when trained (a batch_transforms that adds '
+                f'samples, e.g., does not).',
+            ))
         if not self.pad:
             return microbatches
         padding = [first_samples(microbatches[0], 0) for _ in range(target - len(microbatches))]
-        if padding and not _counts_as_empty(padding[0]):
-            raise UnevenInputsError(
+        if padding and not _counts_as_empty(padding[0], self.count):
+            return self._fail(microbatches, UnevenInputsError(
                 f'rank {dist.get_global_rank()} must pad step {plan.step} with {len(padding)} empty microbatches, but '
                 f'its microbatches are not made of tensors that Composer\'s default DataSpec can count; under FSDP '
                 f'with microbatching, batches must be tensors (or tuples, lists, dicts of them).',
-            )
+            ))
         return microbatches + padding
 
+    def _fail(self, microbatches: list, error: UnevenInputsError) -> list:
+        """Raise ``error`` here, or (``failures`` set) keep it for the first microbatch's check, which every rank runs."""
+        if self.failures is None:
+            raise error
+        self.failures.append(error)
+        return microbatches
 
-def _counts_as_empty(batch: Any) -> bool:
-    """Whether Composer's default ``DataSpec`` counts ``batch`` as zero samples (as UnevenJoin's shadow test does)."""
+
+def _counts_as_empty(batch: Any, count: Optional[Callable[[Any], int]] = None) -> bool:
+    """Whether the ``DataSpec`` (``count``; Composer's default if None) counts ``batch`` as zero samples, as UnevenJoin's shadow test does."""
     try:
-        return DataSpec._default_get_num_samples_in_batch(None, batch) == 0
+        return (count(batch) if count is not None else DataSpec._default_get_num_samples_in_batch(None, batch)) == 0
     except (ValueError, NotImplementedError, TypeError, AttributeError):
         return False
 
@@ -159,17 +174,28 @@ class GradientUnits:
         leaves += [getattr(p, '_unsharded_param', None) for _, p in self._fsdp2]
         return leaves
 
-    def check(self, loss: Any, plan: StepPlan, to_device: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def check(self, loss: Any, plan: StepPlan, to_device: Callable[[torch.Tensor], torch.Tensor],
+              failure: Optional[BaseException] = None) -> None:
         """Raise :class:`UnevenInputsError` on every rank if ``loss`` reaches a unit that another rank's does not.
 
         The used-unit flags are known on the host (from the graph walk) and all-reduced on the host, over
         gloo (:func:`host_group`: the default group under gloo, a gloo group beside NCCL), so the check
         never waits for the GPU: the forward's kernels keep running while the ranks compare flags.
+        ``failure``: an error this rank found in this step (its microbatches cannot be padded): it
+        travels in the same all-reduce (one more integer per rank), and every rank raises.
         """
         reached = _autograd_leaves(loss)
-        used = torch.tensor([leaf is not None and id(leaf) in reached for leaf in self._leaves()], dtype=torch.int32)
+        world, rank = dist.get_world_size(), dist.get_global_rank()
+        flags = [int(failure is not None and r == rank) for r in range(world)]
+        used = torch.tensor([leaf is not None and id(leaf) in reached for leaf in self._leaves()] + flags,
+                            dtype=torch.int32)
         torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.SUM, group=host_group())  # CPU tensor, gloo
-        world = dist.get_world_size()
+        used, failed = used[:len(self)], [r for r, f in enumerate(used[len(self):].tolist()) if f]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise UnevenInputsError(f'rank(s) {failed} cannot run step {plan.step} under FSDP (their microbatches '
+                                    f'cannot be padded to the others\' count); every rank stops here, they raise the cause')
         names = [n for n, _ in self._fsdp1] + [n for n, _ in self._fsdp2]
         partial = [(names[i], int(c)) for i, c in enumerate(used.tolist()) if 0 < c < world]
         if partial:
@@ -244,6 +270,7 @@ class FSDPWrapper(Wrapper):
         self._guard: Optional[BufferGuard] = None
         self._units: Optional[GradientUnits] = None
         self._oom = OOMChecks()
+        self._failures: list = []  # errors MicrobatchPadding found in this step, raised at its first loss
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
@@ -254,12 +281,21 @@ class FSDPWrapper(Wrapper):
                 'inside composer.Trainer.fit()',
             )
         MicrobatchPadding.install(spec, plan, state.device.tensor_to_device, checks=self._oom)
+        self._use_counts(spec)
+
+    def _use_counts(self, spec: DataSpec) -> None:
+        """Pad with the DataSpec's own sample count; padding errors are raised on every rank at the first loss."""
+        spec.split_batch.count = spec.get_num_samples_in_batch
+        if len(self._units):
+            spec.split_batch.failures = self._failures
 
     def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
         for evaluator in state.evaluators:
             if evaluator.label == state.dataloader_label and isinstance(evaluator.dataloader, DataSpec):
                 MicrobatchPadding.install(evaluator.dataloader, plan, state.device.tensor_to_device)
+                spec = evaluator.dataloader
+                spec.split_batch.count = spec.get_num_samples_in_batch  # eval has no loss: errors raise at once
 
     def _attach(self, state: State) -> None:
         if state.model is not self._model:
@@ -283,8 +319,12 @@ class FSDPWrapper(Wrapper):
 
     def after_loss(self, state: State, plan: StepPlan) -> None:
         self._oom.after_loss(state)  # automatic microbatching: before the unused-parameter check's all-reduce
+        failure = self._failures[0] if self._failures else None
+        self._failures.clear()
         if len(self._units):
-            self._units.check(state.loss, plan, state.device.tensor_to_device)
+            self._units.check(state.loss, plan, state.device.tensor_to_device, failure)
+        elif failure is not None:
+            raise failure
 
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
         self._oom.after_backward(state)

@@ -37,7 +37,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from composer_join.batches import first_samples, sample_lists, to_cpu
+from composer_join.batches import first_samples, to_cpu
+from composer_join.dataspec import ShadowSplit, count_microbatches, count_samples, spec_for
 from composer_join.errors import UnevenInputsError
 from composer_join.plan import (
     Agreement, RankStatus, StepPlan, agree_on_failures, agree_on_length, len_or_none, plan_from_lengths,
@@ -109,6 +110,8 @@ class JoinLoader:
         self._ended = False  # the current epoch ended by agreement (no rank has data left)
         self._failure: Optional[tuple[int, BaseException]] = None  # step and cause, on a step planned from lengths
         self._unreported = 0  # own samples on steps planned from lengths, not yet sent in an agreement
+        self.trained = 0  # own real samples yielded in the current epoch (-1: uncountable)
+        self.resumed_samples = 0  # own samples trained before a mid-epoch resume the dataset made itself
         self._rank, self._world = dist.get_global_rank(), dist.get_world_size()
         # Train only: () -> (epoch, first step, steps Composer skips), read when iteration starts
         # (composer_join.resume.train_position), so a mid-epoch resume reshuffles and counts right.
@@ -134,9 +137,14 @@ class JoinLoader:
         return self.lengths[self._rank] if self.lengths else None
 
     def own_samples(self) -> int:
-        """Samples this rank has trained in the current epoch so far (-1 if uncountable)."""
-        reported = self.report.real_samples[self._rank]
-        return -1 if min(reported, self._unreported) < 0 else reported + self._unreported
+        """Samples this rank has trained in the current epoch so far, up to the last batch it yielded (-1 if uncountable)."""
+        return self.trained
+
+    def own_shard_samples(self) -> int:
+        """Samples of this rank's own dataloader used in the current epoch so far: trained here, or (rebalance) given away."""
+        if isinstance(self.dataloader, RebalancingLoader):
+            return self.dataloader.consumed_samples(self.steps)
+        return self.trained
 
     @property
     def planned_steps(self) -> int:
@@ -164,10 +172,13 @@ class JoinLoader:
         if self.position is not None:
             epoch, first, skipped = self.position()
             self.set_epoch(epoch)
+        if isinstance(self.dataloader, RebalancingLoader):
+            self.dataloader.start = first  # the dataset resumed itself at step `first` (else 0)
         batches = iter(self.dataloader)
         if first + skipped == 0 or self.report.epoch != self.epoch:  # else: resuming the report's epoch
             self.report = EpochReport(epoch=self.epoch, world_size=self._world)
         self._ended, self._failure, self._unreported = False, None, 0
+        self.trained = self.resumed_samples if first else 0
         planned = self.planned_steps
         step = self.steps = first
         pending = self._fetch_and_agree(batches, step, planned)
@@ -196,6 +207,8 @@ class JoinLoader:
                 pending = None if self.length is not None and step + 1 >= self.length else \
                     self._fetch_and_agree(batches, step + 1, planned)
                 self.steps = step + 1
+                if status.has_batch:
+                    self.trained = -1 if min(self.trained, status.samples) < 0 else self.trained + status.samples
                 yield batch if status.has_batch else first_samples(self.template, 0)
                 step += 1
         finally:
@@ -271,13 +284,6 @@ class JoinLoader:
                 if self.check_overflow and self.length is not None and step == self.length - 1:
                     overflow = _has_more(batches)
                 return batch, RankStatus(True, samples, microbatches, overflow=overflow, structure=fingerprint(batch)), None
-        if self.template is not None and sample_lists(self.template):
-            return None, RankStatus(has_batch=False, failed=True), UnevenInputsError(
-                f'rank {dist.get_global_rank()} ran out of data at step {step} and must shadow the others, but its '
-                f'batches hold Python lists of samples (e.g. strings), which Composer\'s default split_batch cannot '
-                f'split when empty. Make the dataloader yield tensors only, or use '
-                f'UnevenJoin(throw_on_early_termination=True) to stop instead.',
-            )
         return None, RankStatus(has_batch=False, samples=0, microbatches=1, needs_template=self.template is None,
                                 structure=0 if self.template is None else fingerprint(self.template)), None
 
@@ -330,7 +336,7 @@ class JoinLoader:
 
 def join_dataloader(
     state: State, cached: Optional[JoinLoader] = None, throw: bool = False, microbatch_size: Any = None,
-    rebalance: bool = False,
+    rebalance: bool = False, settings: Sequence[int] = (),
 ) -> JoinLoader:
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
@@ -340,7 +346,8 @@ def join_dataloader(
     predicted with ``microbatch_size`` (an evaluator's, or a callable giving the size in force), by default
     the train microbatch size in force.
     ``rebalance``: put a :class:`~composer_join.rebalance.RebalancingLoader` between the two
-    (``mode='rebalance'``).
+    (``mode='rebalance'``). ``settings``: UnevenJoin's (:func:`composer_join.settings.row`), checked
+    to be the same on every rank in the same collective.
     """
     dataloader = state.dataloader
     current = None if state.dataloader_len is None else int(state.dataloader_len)
@@ -351,7 +358,7 @@ def join_dataloader(
     own_len = len_or_none(dataloader)
     if rebalance and own_len is not None and current is not None:
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
-    shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device)
+    shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device, settings)
     lengths = own_lens
     if rebalance:  # the lengths are then each rank's assigned batches, own and received
         dataloader, shared, check_overflow, lengths = rebalanced(dataloader, own_lens, shared, check_overflow,
@@ -364,7 +371,7 @@ def join_dataloader(
         loader = cached
         loader.length, loader.check_overflow, loader.lengths = shared, check_overflow, lengths
     else:
-        spec = DataSpec(dataloader)
+        spec = ShadowSplit.installed(spec_for(state, dataloader))  # Composer's, so counts are its counts
         loader = JoinLoader(
             dataloader,
             describe=lambda batch: _describe(spec, batch, loader.microbatch_size()),
@@ -375,6 +382,8 @@ def join_dataloader(
             lengths=lengths,
         )
     loader.microbatch_size = size
+    if isinstance(loader.dataloader, RebalancingLoader):
+        loader.dataloader.count = lambda batch: loader.describe(batch)[0]
     label = state.dataloader_label
     state.set_dataloader(loader, label, -1 if shared is None else shared)
     log.info('UnevenJoin: %s batches per rank %s; every rank runs %s steps.', label, own_lens,
@@ -383,14 +392,11 @@ def join_dataloader(
 
 
 def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, int]:
-    """(samples, microbatches) as Composer's default ``DataSpec`` counts and splits ``batch``."""
-    try:
-        samples = int(spec.get_num_samples_in_batch(batch))
-    except (ValueError, NotImplementedError, TypeError, AttributeError):
+    """(samples, microbatches) as Composer will count and split ``batch`` with ``spec`` (its own ``DataSpec``)."""
+    samples = count_samples(spec, batch)
+    if samples < 0:
         return -1, 0
-    if not isinstance(microbatch_size, int) or microbatch_size <= 0:
-        return samples, 0
-    return samples, max(1, -(-samples // microbatch_size))
+    return samples, count_microbatches(spec, batch, microbatch_size, samples)
 
 
 def _has_more(batches: Iterator[Any]) -> bool:

@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from composer.utils import dist
 
+from composer_join.settings import check as check_settings, mismatch_error
+
 __all__ = ['Agreement', 'RankStatus', 'StepPlan', 'agree_on_failures', 'agree_on_length', 'len_or_none', 'plan_from_lengths',
            'steps_planned_from_lengths']
 
@@ -210,22 +212,33 @@ def agree_on_length(
     own_len: Optional[int],
     current_len: Optional[int],
     to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    settings: Sequence[int] = (),
 ) -> tuple[Optional[int], bool, list[Optional[int]]]:
     """The number of batches every rank runs per epoch: the longest rank's (one collective, per fit or evaluation).
 
     Args:
         own_len: ``len()`` of this rank's dataloader, or None if it has none.
         current_len: the trainer's ``dataloader_len`` for it (smaller when a subset was asked for).
+        settings: this rank's UnevenJoin settings (:func:`composer_join.settings.row`), carried in the
+            same collective; if given, every rank raises where they differ between ranks, or where the
+            collective fails (a rank without UnevenJoin issued a different one).
 
     Returns:
         ``(shared, check_overflow, own_lens)``: the shared length (None if some rank's is unknown),
         whether the shared length is the full longest ``len()`` (so batches past it would be lost),
         and every rank's own length.
     """
-    table, work = _exchange_rows([-1 if own_len is None else own_len, -1 if current_len is None else current_len],
-                                 to_device)
-    work.wait()
-    own_lens, cur_lens = ([int(v) for v in column] for column in table.cpu().T)
+    table, work = _exchange_rows([-1 if own_len is None else own_len, -1 if current_len is None else current_len,
+                                  *settings], to_device)
+    try:
+        work.wait()
+    except RuntimeError as e:  # e.g. gloo: 'Connection reset by peer' once a rank without UnevenJoin aborted
+        if not settings:
+            raise
+        raise mismatch_error(f'{type(e).__name__}: {e}') from e
+    if settings:
+        check_settings(table.cpu()[:, 2:].tolist())
+    own_lens, cur_lens = ([int(v) for v in column] for column in table.cpu().T[:2])
     shared = max(cur_lens) if min(cur_lens) >= 0 else None
     check_overflow = shared is not None and own_lens == cur_lens
     return shared, check_overflow, [None if n < 0 else n for n in own_lens]

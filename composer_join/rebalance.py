@@ -127,6 +127,25 @@ class RebalancingLoader:
         self.bytes_received = 0
         self.assigned = [sum(1 for row in self.steps if row[r] is not None) for r in range(len(self.counts))]
         """Every rank's batches per epoch under the schedule, own and received."""
+        # Resumption by a dataset that resumes itself (Composer's dataset_state): the JoinLoader sets
+        # ``start`` (the step the dataset resumed at) before each iteration, and the algorithm
+        # ``resumed_samples`` (own samples used before it); ``count`` counts a batch's samples.
+        self.start = 0
+        self.resumed_samples = 0
+        self.resumed_bytes = 0  # bytes this rank sent in the epoch before the step it resumed at
+        self.count: Callable[[Any], int] = lambda batch: 0
+        self._read_samples: dict[int, int] = {}  # step -> samples of own batches read for it (trained or given)
+        self._sent: dict[int, int] = {}  # step -> bytes sent for it
+
+    def sent_bytes(self, steps: int) -> int:
+        """Bytes this rank sent for the first ``steps`` steps of the epoch (batches are sent a step ahead)."""
+        return (self.resumed_bytes if self.start else 0) + sum(n for s, n in self._sent.items() if s < steps)
+
+    def consumed_samples(self, steps: int) -> int:
+        """Samples of this rank's own dataloader used by the first ``steps`` steps of the epoch (-1: uncountable)."""
+        read = [n for s, n in self._read_samples.items() if s < steps]
+        base = self.resumed_samples if self.start else 0
+        return -1 if min([base, *read]) < 0 else base + sum(read)
 
     def __len__(self) -> int:
         return self.assigned[self.rank]
@@ -166,9 +185,15 @@ class RebalancingLoader:
         report.bytes_sent = [int(v) for v in sent.cpu().tolist()]
 
     def __iter__(self) -> Iterator[Any]:
-        self.bytes_sent = self.bytes_received = 0
+        self.bytes_sent, self.bytes_received = self.resumed_bytes if self.start else 0, 0
+        self._read_samples, self._sent = {}, {}
         reader = _Reader(self.dataloader, self.counts[self.rank], self.check_overflow)
+        reader.read = sum(1 for row in self.steps[:self.start] for c in row if c is not None and c[0] == self.rank)
+        if self.start:  # a dataset that resumed itself applies its state at its next iteration: this one
+            reader._it = iter(self.dataloader)
         for step, row in enumerate(self.steps):
+            if step < self.start:
+                continue
             cell = row[self.rank]
             if cell is None:
                 return
@@ -181,12 +206,16 @@ class RebalancingLoader:
             try:
                 for _ in range(1 + len(receivers)):
                     batches.append(reader.next())
+                counts = [self.count(b) for b in batches]
+                self._read_samples[step] = -1 if min(counts) < 0 else sum(counts)
                 reader.check_end()
             except Exception as e:  # the receivers must hear of it, or they would wait forever
                 failure = e
+            before = self.bytes_sent
             for i, q in enumerate(receivers):
                 refused = self._send(batches[i + 1] if failure is None else None, q, step)
                 failure = failure or refused
+            self._sent[step] = self.bytes_sent - before
             if failure is not None:
                 raise failure
             yield batches[0]

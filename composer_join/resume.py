@@ -13,10 +13,19 @@ must know which (``train_position``):
 
 ``num_samples`` with uneven shards: Composer passes the *global* ``timestamp.sample_in_epoch``
 (real samples summed over ranks). A rank that reads its own shard needs its *own* count, so
-:func:`own_sample_counts` makes the dataset's ``state_dict`` receive the number of samples this
-rank has trained in the current epoch (0 at an epoch boundary, as Composer passes). The exception
-is ``streaming.StreamingDataset``, which splits one global sample space across ranks itself and
-expects the global count: it is left as it is.
+:func:`own_sample_counts` makes the dataset's ``state_dict`` receive the number of samples of this
+rank's shard used in the current epoch (trained by it, or in ``mode='rebalance'`` given to another
+rank; 0 at an epoch boundary, as Composer passes). The exception is ``streaming.StreamingDataset``,
+which splits one global sample space across ranks itself and expects the global count: it is
+left as it is.
+
+Composer checkpoints ``dataset_state`` from rank 0 only, and loads it into every rank's dataset.
+So :class:`RankDatasets` puts every rank's own dataset state (and its sample counts) into
+UnevenJoin's own ``state_dict``: one ``all_gather_object`` each time Composer saves a checkpoint
+(``State.state_dict()``, which Composer calls on every rank), nothing otherwise. On resuming, each
+rank loads its own entry into its dataset at ``FIT_START`` (after Composer loaded rank 0's), before
+the first batch is read. Sharded checkpoints carry the same entries (UnevenJoin's state is the
+same on every rank).
 
 What :class:`~composer_join.UnevenJoin` saves (:func:`snapshot`) and loads (:func:`restore`): the
 finished epochs' reports, the current epoch's partial report (so the report after a resume
@@ -39,10 +48,12 @@ import sys
 from typing import Any, Callable, Optional
 
 from composer.core import State
+from composer.utils import dist
 
+from composer_join.errors import UnevenInputsError
 from composer_join.report import EpochReport
 
-__all__ = ['own_sample_counts', 'restore', 'snapshot', 'train_position']
+__all__ = ['RankDatasets', 'own_sample_counts', 'restore', 'resume_counts', 'snapshot', 'train_position']
 
 
 def train_position(state: State) -> tuple[int, int, int]:
@@ -85,24 +96,93 @@ def own_sample_counts(dataset: Any, count: Callable[[], int]) -> None:
     dataset.state_dict = state_dict
 
 
+class RankDatasets:
+    """Every rank's own dataset state, for a train dataset that resumes itself (``state_dict``/``load_state_dict``).
+
+    Args:
+        state: the trainer's state (its ``timestamp.sample_in_epoch`` is what Composer passes).
+        dataset: this rank's train dataset, already wrapped by :func:`own_sample_counts`.
+        trained: ``() -> samples this rank trained in the current epoch`` (its report count).
+        used: ``() -> samples of this rank's shard used in the current epoch`` (what the dataset gets).
+        sent: ``() -> bytes this rank sent in the current epoch`` (``mode='rebalance'``).
+
+    :meth:`gather` is collective: call it on every rank, as Composer's ``State.state_dict()`` is.
+    """
+
+    def __init__(self, state: State, dataset: Any, trained: Callable[[], int], used: Callable[[], int],
+                 sent: Callable[[], int] = lambda: 0):
+        self.state, self.dataset, self.trained, self.used, self.sent = state, dataset, trained, used, sent
+
+    @staticmethod
+    def applies(dataset: Any) -> bool:
+        """Whether ``dataset`` resumes itself per rank (has both methods; not a StreamingDataset)."""
+        return (callable(getattr(dataset, 'state_dict', None)) and callable(getattr(dataset, 'load_state_dict', None))
+                and not _splits_globally(dataset))
+
+    def gather(self) -> list[dict[str, Any]]:
+        """Per rank: ``{'trained', 'used', 'sent', 'dataset'}`` (its dataset's own ``state_dict``). One ``all_gather_object``."""
+        num_samples = int(self.state.timestamp.sample_in_epoch)
+        mine = {
+            'trained': self.trained() if num_samples else 0,
+            'used': self.used() if num_samples else 0,
+            'sent': self.sent() if num_samples else 0,
+            'dataset': self.dataset.state_dict(num_samples, True),
+        }
+        return dist.all_gather_object(mine)
+
+    def load(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
+        """Load this rank's entry of ``saved`` into its dataset; return the entry. Raises the same on every rank."""
+        world, rank = dist.get_world_size(), dist.get_global_rank()
+        if len(saved) != world:
+            raise UnevenInputsError(
+                f'the checkpoint holds the dataset states of {len(saved)} ranks, but this run has {world}: each rank\'s '
+                f'dataset resumes itself from its own state, so resume with the same world size (or without '
+                f'UnevenJoin\'s per-rank states: load_ignore_keys=[\'state/algorithms\'] and the dataset restarts the epoch)',
+            )
+        self.dataset.load_state_dict(saved[rank]['dataset'])
+        return saved[rank]
+
+
+def resume_counts(loader: Any, own: dict[str, Any], saved: list[dict[str, Any]], mid_epoch: bool) -> None:
+    """Start a :class:`~composer_join.loader.JoinLoader` resumed mid-epoch from the checkpoint's sample counts.
+
+    ``own`` is this rank's entry of ``saved`` (:meth:`RankDatasets.gather`). The epoch's partial
+    report gets every rank's exact count (on steps planned from the lengths, the report alone
+    had not received them yet).
+    """
+    if not mid_epoch:
+        return
+    loader.resumed_samples = own['trained']
+    if hasattr(loader.dataloader, 'resumed_samples'):  # a RebalancingLoader: its shard's samples, given ones too
+        loader.dataloader.resumed_samples, loader.dataloader.resumed_bytes = own['used'], own.get('sent', 0)
+    loader.report.real_samples = [int(entry['trained']) for entry in saved]
+
+
 def _splits_globally(dataset: Any) -> bool:
     """True for a StreamingDataset (checked only if ``streaming`` is imported: a dataset of it would have imported it)."""
     streaming = sys.modules.get('streaming')
     return streaming is not None and isinstance(dataset, getattr(streaming, 'StreamingDataset', ()))
 
 
-def snapshot(reports: list[EpochReport], current: Optional[EpochReport], wrapper: dict[str, Any]) -> dict[str, Any]:
-    """What UnevenJoin puts in its ``state_dict``: plain data, the same on every rank."""
+def snapshot(reports: list[EpochReport], current: Optional[EpochReport], wrapper: dict[str, Any],
+             ranks: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+    """What UnevenJoin puts in its ``state_dict``: plain data, the same on every rank.
+
+    ``ranks``: :meth:`RankDatasets.gather`'s per-rank dataset states, if the dataset resumes itself.
+    """
     return {
         'reports': [copy.deepcopy(vars(r)) for r in reports],
         'current': None if current is None else copy.deepcopy(vars(current)),
         'wrapper': copy.deepcopy(wrapper),
+        'ranks': ranks,
     }
 
 
-def restore(saved: dict[str, Any]) -> tuple[list[EpochReport], Optional[EpochReport], dict[str, Any]]:
-    """The inverse of :func:`snapshot`: ``(reports, current report, the wrapper's state)``."""
+def restore(saved: dict[str, Any]) -> tuple[list[EpochReport], Optional[EpochReport], dict[str, Any],
+                                            Optional[list[dict[str, Any]]]]:
+    """The inverse of :func:`snapshot`: ``(reports, current report, the wrapper's state, per-rank dataset states)``."""
     current = saved.get('current')
     return ([EpochReport(**r) for r in saved.get('reports', [])],
             None if current is None else EpochReport(**current),
-            dict(saved.get('wrapper', {})))
+            dict(saved.get('wrapper', {})),
+            saved.get('ranks'))

@@ -39,6 +39,8 @@ def describe(batch: Any) -> str:
     if isinstance(batch, (list, tuple)):
         if batch and all(isinstance(v, _PRIMITIVES) for v in batch):
             return f'{type(batch).__name__}[{type(batch[0]).__name__} samples]'
+        if batch and all(isinstance(v, Mapping) for v in batch):  # records: one per sample, shaped like the first
+            return f'{type(batch).__name__}[{describe(batch[0])} samples]'
         return f'{type(batch).__name__}({", ".join(describe(v) for v in batch)})'
     return type(batch).__name__
 

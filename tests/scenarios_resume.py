@@ -81,7 +81,7 @@ class UnevenShuffled(DistributedSampler):
 
 
 def make_loader(cfg: dict, rank: int):
-    kind, b = cfg['data'], cfg['batch_size']
+    kind, b = cfg['data'], cfg['batch_sizes'][rank] if 'batch_sizes' in cfg else cfg['batch_size']
     if kind in ('shuffled_subclass', 'exact_sampler'):
         dataset = Indexed(*shard(7, cfg['map_size']))
         sampler = UnevenShuffled(dataset, cfg['cuts']) if kind == 'shuffled_subclass' else \
@@ -121,7 +121,11 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
     rank = dist.get_global_rank()
     model = ToyModel('mlp')
     optimizer = make_optimizer(cfg, model.parameters())
-    join, ids = UnevenJoin(), Ids()
+    join, ids = UnevenJoin(**cfg.get('join', {})), Ids()
+    if cfg.get('wrapper'):  # FSDP1/FSDP2 (tests/scenarios_fsdp.py): sharded checkpoints
+        from scenarios_fsdp import cpu_fsdp_workarounds, parallelism
+        cpu_fsdp_workarounds()
+        kwargs['parallelism_config'] = parallelism(cfg['wrapper'], cfg)
     loader = make_loader(cfg, rank)
     trainer = Trainer(
         model=model, train_dataloader=loader, optimizers=optimizer,
@@ -137,9 +141,14 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
         trainer.close()
     ts = trainer.state.timestamp
     dataset = loader.dataset
+    if cfg.get('wrapper'):
+        from scenarios_fsdp import full_params
+        params = full_params(trainer, 'mlp')
+    else:
+        params = {k: v.detach().clone() for k, v in model.module.named_parameters()}
     return {
-        'params': {k: v.detach().clone() for k, v in model.module.named_parameters()},
-        'optimizer': _flat_optimizer_state(optimizer),
+        'params': params,
+        'optimizer': _flat_optimizer_state(optimizer) if not cfg.get('wrapper') else _local_optimizer_state(optimizer),
         'timestamp': {k: int(getattr(ts, k)) for k in ('epoch', 'batch', 'sample', 'token', 'batch_in_epoch',
                                                           'sample_in_epoch')},
         'ids': ids.ids,
@@ -148,8 +157,17 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
     }
 
 
+def _local_optimizer_state(optimizer) -> torch.Tensor:
+    """This rank's shard of the optimizer state, flat (FSDP keeps DTensors)."""
+    state = optimizer.state_dict()['state']
+    tensors = [getattr(v, 'to_local', lambda: v)().flatten().float().cpu() for s in state.values()
+               for v in s.values() if isinstance(v, torch.Tensor)]
+    return torch.cat(tensors) if tensors else torch.zeros(0)
+
+
 def checkpoint(folder: str, batch: int) -> str:
-    found = glob.glob(os.path.join(folder, f'ep*-ba{batch}-rank0.pt'))
+    found = glob.glob(os.path.join(folder, f'ep*-ba{batch}-rank0.pt')) or \
+        glob.glob(os.path.join(folder, f'ep*-ba{batch}'))  # a sharded checkpoint is a folder
     assert len(found) == 1, (folder, batch, found)
     return found[0]
 

@@ -16,14 +16,14 @@ event                     what happens
                           real: keep a template
 ``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked; wrapper check
 ``AFTER_BACKWARD``        wrapper: restore syncing and buffers; shadow: keep train metrics out
-``AFTER_TRAIN_BATCH``     put train metrics back
+``AFTER_TRAIN_BATCH``     put train metrics back; list states made syncable (:mod:`composer_join.metrics`)
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
                           (rebalance: with bytes moved)
 ``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement);
                           wrapper: FSDP pads eval microbatches
 ``EVAL_BEFORE_FORWARD``   shadow: swap in the template; real: keep one
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
-``EVAL_BATCH_END``        put the eval metrics back
+``EVAL_BATCH_END``        put the eval metrics back; list states made syncable (:mod:`composer_join.metrics`)
 ``EVAL_END``              stop every rank if some rank could not form a batch; back to the train plan
 ========================  ======================================================================
 """
@@ -41,6 +41,7 @@ from composer.utils import dist
 from composer_join.batches import first_samples
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
+from composer_join.metrics import MetricStates, shadow_update
 from composer_join.plan import StepPlan
 from composer_join.rebalance import RebalancingLoader
 from composer_join.report import EpochReport
@@ -146,6 +147,7 @@ class UnevenJoin(Algorithm):
         self._wrapper: Optional[Wrapper] = None  # DDP's, FSDP's or none: chosen at the first start
         self._shadow = False  # the current microbatch is a stand-in (joined rank, or padding)
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
+        self._metric_states = MetricStates()  # list-state metrics made syncable on ranks with no data
         self._resumed_report: Optional[EpochReport] = None  # the checkpoint's partial epoch, until FIT_START
         self._wrapper_state: dict[str, Any] = {}  # the checkpoint's wrapper state, until the wrapper exists
 
@@ -184,6 +186,7 @@ class UnevenJoin(Algorithm):
         if self._wrapper is None:  # chosen once, at the first FIT_START or EVAL_START
             self._wrapper = wrapper_for(state, self._rank)
             self._wrapper.load_state_dict(self._wrapper_state)
+            self._metric_states.to_device = state.device.tensor_to_device
         if event == Event.FIT_START:
             self._fit_start(state)
         elif event == Event.EPOCH_START:
@@ -203,6 +206,8 @@ class UnevenJoin(Algorithm):
             self._after_backward(state)
         elif event in (Event.AFTER_TRAIN_BATCH, Event.EVAL_BATCH_END):
             self._unstash_metrics()
+            metrics = state.train_metrics if event == Event.AFTER_TRAIN_BATCH else state.eval_metrics.get(state.dataloader_label)
+            self._metric_states.fill(state.dataloader_label, metrics or {})  # Composer computes them next
         elif event == Event.EPOCH_END:
             self._epoch_end(logger)
         elif event == Event.EVAL_START:
@@ -211,6 +216,7 @@ class UnevenJoin(Algorithm):
             self._microbatch_start(state)
             self._shadow_input(state)
         elif event == Event.EVAL_AFTER_FORWARD and self._shadow:
+            self._metric_states.probe(state.dataloader_label, state.eval_metrics[state.dataloader_label], shadow_update(state))
             self._stash_metrics(state.eval_metrics[state.dataloader_label])
         elif event == Event.EVAL_END:
             if self._loader is not None:
@@ -285,6 +291,9 @@ class UnevenJoin(Algorithm):
     def _after_backward(self, state: State) -> None:
         self._wrapper.after_backward(state, self.plan, self._shadow)
         if self._shadow and state.train_metrics:
+            template = self._templates[state.dataloader_label]
+            self._metric_states.probe(state.dataloader_label, state.train_metrics,
+                                      shadow_update(state, lambda: first_samples(template, TEMPLATE_SAMPLES)))
             self._stash_metrics(state.train_metrics)
 
     def _stash_metrics(self, metrics: dict) -> None:

@@ -14,8 +14,8 @@ per state:
   dtype. If the other ranks' tensors have two dimensions (AUROC's ``N x C`` scores) or another
   dtype (``int64`` targets), the ranks exchange shapes of different lengths and tensors of
   different sizes: gloo aborts, NCCL hangs or reads garbage (torchmetrics #2170).
-* a list state with no reduction (``dist_reduce_fx=None``: the retrieval metrics, ...): one
-  gather per element. Ranks holding different numbers of elements issue different numbers of
+* a list state with no reduction (``dist_reduce_fx=None``: the retrieval metrics, ...), or with
+  a reduction other than ``'cat'``: one gather per element. Ranks holding different numbers of elements issue different numbers of
   collectives (torchmetrics #3336); with uneven shards this happens even when no rank is empty.
 
 :class:`MetricStates` repairs the states right before Composer computes them (at
@@ -23,8 +23,8 @@ per state:
 
 * an empty ``'cat'`` list gets one empty tensor shaped like a real update's (zero rows, the same
   trailing dimensions and dtype);
-* the ``None``-reduced lists are padded with such empty elements to the longest rank's count
-  (one ``all_reduce`` of the counts, only for metrics that have such states).
+* the other lists (``None``-reduced) are padded with such empty elements to the longest rank's
+  count (one ``all_reduce`` of the counts, only for metrics that have such states).
 
 Zero rows add nothing to a concatenation, so the metric equals one process computing it over all
 the data. The empty elements' shapes come from the metric itself: when a rank runs a shadow
@@ -165,7 +165,7 @@ class MetricStates:
                     if reduction is dim_zero_cat:
                         if not value and known is not None:
                             value.append(_to(known, leaf.device))
-                    elif reduction is None:
+                    else:  # None or another callable: torchmetrics gathers element by element
                         empty = _empty_like(value[-1]) if value else known
                         padding.append((name, leaf, attr, empty))
         if padding:

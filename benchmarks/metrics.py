@@ -84,8 +84,9 @@ def main() -> None:
                 per_rank = launch(world, [(name, 'scenarios_metrics:metric_kinds_run', {'cfg': cfg})], timeout=300)[name]
                 text = '; '.join(sorted({outcome(cfg, r) for r in per_rank}))
             except AssertionError as e:  # a rank died (gloo aborts the process)
-                lines = [ln.strip() for ln in str(e).splitlines() if 'Error' in ln or 'error' in ln]
-                text = 'a rank died: `' + (lines[0][:120] if lines else str(e).splitlines()[0]) + '`'
+                lines = [ln.strip() for ln in str(e).splitlines() if 'Error' in ln or 'error' in ln or 'Abort' in ln]
+                cause = [ln for ln in lines if 'Connection' not in ln] or lines  # the dying rank's, not its peers'
+                text = 'a rank died: `' + (cause[0][:120] if cause else str(e).splitlines()[0]) + '`'
             shards = cfg['shards'] if kind.startswith('train') else cfg['eval_shards']
             print(f"| {kind} | {world} | {shards} | {label} | {text} |", flush=True)
 

@@ -63,7 +63,7 @@ class MetricRecorder(Callback):
 
 
 def metric_kinds_run(cfg: dict) -> dict[str, Any]:
-    """One uneven ``fit`` (train metrics at every step) and an evaluation at its end."""
+    """One uneven ``fit`` (train metrics at every step), an evaluation at its end (and ``trainer.eval()`` if ``eval_again``)."""
     rank = dist.get_global_rank()
     x, y = shard(rank, cfg['shards'][rank])
     ex, ey = shard(50 + rank, cfg['eval_shards'][rank])
@@ -81,6 +81,8 @@ def metric_kinds_run(cfg: dict) -> dict[str, Any]:
     )
     try:
         trainer.fit()
+        if cfg.get('eval_again'):  # a second evaluation reuses what the first learned
+            trainer.eval()
     finally:
         trainer.close()
     return {'step_params': recorder.step_params, 'train': recorder.train,

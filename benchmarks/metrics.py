@@ -74,9 +74,11 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument('--join-only', action='store_true')
+    parser.add_argument('--cases', default='', help='comma-separated indices into CASES (default: all)')
     args = parser.parse_args()
+    chosen = [CASES[int(i)] for i in args.cases.split(',')] if args.cases else CASES
     variants = [('UnevenJoin', True)] + ([] if args.join_only else [('stock Composer', False)])
-    for kind, name, overrides in CASES:
+    for kind, name, overrides in chosen:
         for label, join in variants:
             cfg = dict(SCENARIOS[name], join=join, **overrides)
             world = len(cfg['shards'])

@@ -20,12 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'tests'))
 
-import torch  # noqa: E402
+import torch
 
-import metric_kinds  # noqa: E402
-from harness import RankError, launch  # noqa: E402
-from test_metrics import SCENARIOS, reference  # noqa: E402
-from toy import shard  # noqa: E402
+import metric_kinds
+from harness import RankError, launch
+from test_metrics import SCENARIOS, reference
+from toy import shard
 
 CAT = ('AUROC', 'AP', 'AUROCplusAP', 'CatLoss')  # lists concatenated
 UNREDUCED = ('MRR', 'ListSum')  # lists with no reduction
@@ -54,17 +54,19 @@ def outcome(cfg: dict, res) -> str:
         shards = [shard(r, n) for r, n in enumerate(cfg['shards'])]
         wrong = set()
         for t, got in enumerate(res['train']):
-            parts = [(x[t * b:(t + 1) * b], y[t * b:(t + 1) * b]) for x, y in shards]
+            parts = [(x[t * b : (t + 1) * b], y[t * b : (t + 1) * b]) for x, y in shards]
             want, _, _ = reference(res['step_params'][t], parts, kinds)
             wrong |= {k for k in kinds if not _same(got[k], want[k])}
         steps = max(-(-n // b) for n in cfg['shards'])
-        return f"{len(res['train'])} of {steps} steps" + (f", wrong: {', '.join(sorted(wrong))}" if wrong else ', exact')
+        return f'{len(res["train"])} of {steps} steps' + (
+            f', wrong: {", ".join(sorted(wrong))}' if wrong else ', exact'
+        )
     if not res['eval']:
         return 'no evaluation ran'
     want, _, _ = reference(res['eval_params'][0], [shard(50 + r, n) for r, n in enumerate(cfg['eval_shards'])], kinds)
     got = res['eval'][0]
     wrong = [k for k in kinds if not _same(got[k], want[k])]
-    return f'exact ({len(kinds)} metrics)' if not wrong else f"wrong: {', '.join(wrong)}"
+    return f'exact ({len(kinds)} metrics)' if not wrong else f'wrong: {", ".join(wrong)}'
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -83,14 +85,16 @@ def main() -> None:
             cfg = dict(SCENARIOS[name], join=join, **overrides)
             world = len(cfg['shards'])
             try:
-                per_rank = launch(world, [(name, 'scenarios_metrics:metric_kinds_run', {'cfg': cfg})], timeout=300)[name]
+                per_rank = launch(world, [(name, 'scenarios_metrics:metric_kinds_run', {'cfg': cfg})], timeout=300)[
+                    name
+                ]
                 text = '; '.join(sorted({outcome(cfg, r) for r in per_rank}))
             except AssertionError as e:  # a rank died (gloo aborts the process)
                 lines = [ln.strip() for ln in str(e).splitlines() if 'Error' in ln or 'error' in ln or 'Abort' in ln]
                 cause = [ln for ln in lines if 'Connection' not in ln] or lines  # the dying rank's, not its peers'
                 text = 'a rank died: `' + (cause[0][:120] if cause else str(e).splitlines()[0]) + '`'
             shards = cfg['shards'] if kind.startswith('train') else cfg['eval_shards']
-            print(f"| {kind} | {world} | {shards} | {label} | {text} |", flush=True)
+            print(f'| {kind} | {world} | {shards} | {label} | {text} |', flush=True)
 
 
 if __name__ == '__main__':

@@ -206,8 +206,9 @@ class UnevenJoin(Algorithm):
             self._after_backward(state)
         elif event in (Event.AFTER_TRAIN_BATCH, Event.EVAL_BATCH_END):
             self._unstash_metrics()
-            metrics = state.train_metrics if event == Event.AFTER_TRAIN_BATCH else state.eval_metrics.get(state.dataloader_label)
-            self._metric_states.fill(state.dataloader_label, metrics or {})  # Composer computes them next
+            label = state.dataloader_label
+            metrics = state.train_metrics if event == Event.AFTER_TRAIN_BATCH else state.eval_metrics.get(label)
+            self._metric_states.fill(label, metrics or {})  # Composer computes them next
         elif event == Event.EPOCH_END:
             self._epoch_end(logger)
         elif event == Event.EVAL_START:
@@ -216,8 +217,9 @@ class UnevenJoin(Algorithm):
             self._microbatch_start(state)
             self._shadow_input(state)
         elif event == Event.EVAL_AFTER_FORWARD and self._shadow:
-            self._metric_states.probe(state.dataloader_label, state.eval_metrics[state.dataloader_label], shadow_update(state))
-            self._stash_metrics(state.eval_metrics[state.dataloader_label])
+            metrics = state.eval_metrics[state.dataloader_label]
+            self._metric_states.probe(state.dataloader_label, metrics, shadow_update(state))
+            self._stash_metrics(metrics)
         elif event == Event.EVAL_END:
             if self._loader is not None:
                 self._loader.check_ended_together()

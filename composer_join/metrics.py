@@ -15,8 +15,9 @@ per state:
   dtype (``int64`` targets), the ranks exchange shapes of different lengths and tensors of
   different sizes: gloo aborts, NCCL hangs or reads garbage (torchmetrics #2170).
 * a list state with no reduction (``dist_reduce_fx=None``: the retrieval metrics, ...), or with
-  a reduction other than ``'cat'``: one gather per element. Ranks holding different numbers of elements issue different numbers of
-  collectives (torchmetrics #3336); with uneven shards this happens even when no rank is empty.
+  a reduction other than ``'cat'``: one gather per element. Ranks holding different numbers of
+  elements issue different numbers of collectives (torchmetrics #3336); with uneven shards this
+  happens even when no rank is empty.
 
 :class:`MetricStates` repairs the states right before Composer computes them (at
 ``EVAL_BATCH_END`` and ``AFTER_TRAIN_BATCH``), on every rank:
@@ -41,7 +42,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import torch
 from composer.core import State
@@ -139,14 +141,17 @@ class MetricStates:
             copy_ = _fresh_copy(metric)
             try:
                 update(copy_)
-            except Exception as e:  # noqa: BLE001 - a metric the template does not fit: leave it as torchmetrics has it
-                log.warning('UnevenJoin could not learn the empty states of metric %r (%s: %s); a rank that '
-                            'evaluates no data may fail to sync it.', name, type(e).__name__, e)
+            except Exception as e:  # a metric the template does not fit: leave it as torchmetrics has it
+                log.warning(
+                    'UnevenJoin could not learn the empty states of metric %r (%s: %s); a rank that '
+                    'evaluates no data may fail to sync it.',
+                    name,
+                    type(e).__name__,
+                    e,
+                )
                 self._empties[key] = []
                 continue
-            self._empties[key] = [
-                {a: _element_empty(leaf, a) for a in _list_states(leaf)} for leaf in _leaves(copy_)
-            ]
+            self._empties[key] = [{a: _element_empty(leaf, a) for a in _list_states(leaf)} for leaf in _leaves(copy_)]
 
     def fill(self, label: str, metrics: dict[str, Metric]) -> None:
         """Make ``metrics``' list states syncable on this rank; call on every rank right before they are computed."""
@@ -184,12 +189,12 @@ class MetricStates:
         dist.all_reduce(agreed, reduce_operation='MAX')
         n = len(padding)
         agreed = agreed.tolist()
-        longest, shortest, stuck = agreed[:n], [-c for c in agreed[n:2 * n]], agreed[2 * n:]
+        longest, shortest, stuck = agreed[:n], [-c for c in agreed[n : 2 * n]], agreed[2 * n :]
         uneven = [i for i in range(n) if longest[i] != shortest[i]]
         bad = sorted({f'{padding[i][0]}.{padding[i][2]}' for i in uneven if stuck[i]})
         if bad:
             raise ValueError(
-                f"UnevenJoin cannot even out the list states {', '.join(bad)} across ranks, which hold different "
+                f'UnevenJoin cannot even out the list states {", ".join(bad)} across ranks, which hold different '
                 "numbers of elements (torchmetrics' sync would issue different collectives on different ranks): "
                 'some rank has no empty element for them, because their elements are 0-dim tensors (a scalar '
                 'cannot be emptied) or because it never saw an update of them. Append tensors of 1 or more '

@@ -34,8 +34,10 @@ def values(metrics: dict) -> dict[str, Any]:
 class KindsClassifier(ComposerClassifier):
     def __init__(self, train_kinds, eval_kinds):
         super().__init__(
-            module=make_module('mlp'), num_classes=CLASSES,
-            train_metrics=metric_kinds.collection(train_kinds), val_metrics=metric_kinds.collection(eval_kinds),
+            module=make_module('mlp'),
+            num_classes=CLASSES,
+            train_metrics=metric_kinds.collection(train_kinds),
+            val_metrics=metric_kinds.collection(eval_kinds),
         )
 
     def update_metric(self, batch, outputs, metric):
@@ -67,13 +69,18 @@ def metric_kinds_run(cfg: dict) -> dict[str, Any]:
     rank = dist.get_global_rank()
     x, y = shard(rank, cfg['shards'][rank])
     ex, ey = shard(50 + rank, cfg['eval_shards'][rank])
-    model = KindsClassifier(cfg.get('train_kinds', metric_kinds.TRAIN_KINDS), cfg.get('eval_kinds', metric_kinds.EVAL_KINDS))
+    model = KindsClassifier(
+        cfg.get('train_kinds', metric_kinds.TRAIN_KINDS), cfg.get('eval_kinds', metric_kinds.EVAL_KINDS)
+    )
     recorder = MetricRecorder()
     trainer = quiet_trainer(
         model=model,
         train_dataloader=DataLoader(ShardWithLen(x, y), batch_size=cfg['batch_size']),
-        eval_dataloader=Evaluator(label='eval', dataloader=DataLoader(ShardWithLen(ex, ey), batch_size=cfg['eval_batch_size']),
-                                  device_eval_microbatch_size=cfg.get('eval_microbatch')),
+        eval_dataloader=Evaluator(
+            label='eval',
+            dataloader=DataLoader(ShardWithLen(ex, ey), batch_size=cfg['eval_batch_size']),
+            device_eval_microbatch_size=cfg.get('eval_microbatch'),
+        ),
         max_duration='1ep',
         optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
         algorithms=[UnevenJoin()] if cfg.get('join', True) else [],
@@ -85,5 +92,9 @@ def metric_kinds_run(cfg: dict) -> dict[str, Any]:
             trainer.eval()
     finally:
         trainer.close()
-    return {'step_params': recorder.step_params, 'train': recorder.train,
-            'eval_params': recorder.eval_params, 'eval': recorder.eval}
+    return {
+        'step_params': recorder.step_params,
+        'train': recorder.train,
+        'eval_params': recorder.eval_params,
+        'eval': recorder.eval,
+    }

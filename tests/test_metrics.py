@@ -28,8 +28,9 @@ SCENARIOS = {
     'eval_20_7': dict(BASE, shards=[9, 4], eval_shards=[20, 7]),
     # eval microbatches of 3: ranks update different numbers of times per batch
     'eval_20_7_3_microbatched': dict(BASE, shards=[8, 3, 8], eval_shards=[20, 7, 3], eval_microbatch=3),
-    'four_ranks_two_empty': dict(BASE, shards=[9, 0, 4, 12], eval_shards=[0, 11, 0, 6], eval_batch_size=3,
-                                 eval_again=True),
+    'four_ranks_two_empty': dict(
+        BASE, shards=[9, 0, 4, 12], eval_shards=[0, 11, 0, 6], eval_batch_size=3, eval_again=True
+    ),
     # a list of scalars with no reduction cannot be evened out: a clear error on every rank, no hang
     'scalar_list_refused': dict(BASE, shards=[4, 4], eval_shards=[0, 9], train_kinds=(), eval_kinds=('ScalarList',)),
 }
@@ -72,9 +73,12 @@ def _reference(flat_params, parts, kinds):
 def assert_equal_values(got: dict, want: dict, where: str) -> None:
     assert sorted(got) == sorted(want), where
     for name, value in want.items():
-        assert got[name].shape == value.shape, f'{where}: {name} has shape {tuple(got[name].shape)}, want {tuple(value.shape)}'
-        assert torch.allclose(got[name].float(), value.float(), atol=1e-6, rtol=0), \
+        assert got[name].shape == value.shape, (
+            f'{where}: {name} has shape {tuple(got[name].shape)}, want {tuple(value.shape)}'
+        )
+        assert torch.allclose(got[name].float(), value.float(), atol=1e-6, rtol=0), (
             f'{where}: {name} = {got[name]}, one process over all the data: {value}'
+        )
 
 
 EXACT = [n for n in SCENARIOS if n != 'scalar_list_refused']
@@ -109,7 +113,7 @@ def test_train_metrics_equal_one_process_at_every_step(runs, name):
     per_rank = ok(runs, name)
     shadowed = 0
     for t in range(steps):
-        parts = [(x[t * b:(t + 1) * b], y[t * b:(t + 1) * b]) for x, y in shards]
+        parts = [(x[t * b : (t + 1) * b], y[t * b : (t + 1) * b]) for x, y in shards]
         shadowed += any(len(p[1]) == 0 for p in parts)
         for rank, res in enumerate(per_rank):
             assert len(res['train']) == steps

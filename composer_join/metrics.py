@@ -61,7 +61,8 @@ Key = tuple[str, str]  # (dataloader label, metric name)
 
 def _leaves(metric: Metric) -> Iterator[Metric]:
     """``metric`` and the metrics inside it (a ``CompositionalMetric``'s, a wrapper's), in a fixed order."""
-    seen, todo = set(), [metric]  # by id: torchmetrics hashes a metric by its states' values
+    seen: set[int] = set()  # by id: torchmetrics hashes a metric by its states' values
+    todo: list[torch.nn.Module] = [metric]
     while todo:
         module = todo.pop(0)
         if id(module) in seen:
@@ -85,11 +86,11 @@ def _empty_like(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return None if x.ndim == 0 else x.detach()[:0].clone()
     if isinstance(x, dict):
-        out = {k: _empty_like(v) for k, v in x.items()}
-        return None if any(v is None for v in out.values()) else out
+        mapped = {k: _empty_like(v) for k, v in x.items()}
+        return None if any(v is None for v in mapped.values()) else mapped
     if isinstance(x, (list, tuple)):
-        out = [_empty_like(v) for v in x]
-        return None if any(v is None for v in out) else type(x)(out)
+        items = [_empty_like(v) for v in x]
+        return None if any(v is None for v in items) else type(x)(items)
     return x  # not a tensor: torchmetrics does not sync it
 
 
@@ -185,10 +186,10 @@ class MetricStates:
         """
         counts = [len(getattr(leaf, attr)) for _, leaf, attr, _ in padding]
         stuck = [int(empty is None) for _, _, _, empty in padding]
-        agreed = self.to_device(torch.tensor(counts + [-c for c in counts] + stuck, dtype=torch.int64))
-        dist.all_reduce(agreed, reduce_operation='MAX')
+        rows = self.to_device(torch.tensor(counts + [-c for c in counts] + stuck, dtype=torch.int64))
+        dist.all_reduce(rows, reduce_operation='MAX')
         n = len(padding)
-        agreed = agreed.tolist()
+        agreed: list[int] = rows.tolist()
         longest, shortest, stuck = agreed[:n], [-c for c in agreed[n : 2 * n]], agreed[2 * n :]
         uneven = [i for i in range(n) if longest[i] != shortest[i]]
         bad = sorted({f'{padding[i][0]}.{padding[i][2]}' for i in uneven if stuck[i]})
@@ -238,7 +239,7 @@ def shadow_update(state: State, fresh_batch: Optional[Callable[[], Any]] = None)
     outputs, ``model.eval_forward(batch, state.outputs)`` (returns them unchanged unless the model
     overrides it), on a copy of the microbatch taken before the forward: ``fresh_batch()`` gives one.
     """
-    model = state.model.module if isinstance(state.model, DistributedDataParallel) else state.model
+    model: Any = state.model.module if isinstance(state.model, DistributedDataParallel) else state.model
     outputs = state.outputs
 
     def update(metric: Metric) -> Any:

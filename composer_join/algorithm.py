@@ -17,7 +17,7 @@ event                     what happens
 ``AFTER_FORWARD``         wrapper: automatic microbatching's OOM checks (:mod:`composer_join.oom`)
 ``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked; wrapper check
 ``AFTER_BACKWARD``        wrapper: restore syncing and buffers; shadow: keep train metrics out
-``AFTER_TRAIN_BATCH``     put train metrics back
+``AFTER_TRAIN_BATCH``     put train metrics back; list states made syncable (:mod:`composer_join.metrics`)
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
                           (rebalance: with bytes moved)
 ``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement);
@@ -25,7 +25,7 @@ event                     what happens
 ``EVAL_BATCH_START``      automatic microbatching: keep the metric states, for a retry after an OOM
 ``EVAL_BEFORE_FORWARD``   a retry: put the metric states back; shadow: swap in the template; real: keep one
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
-``EVAL_BATCH_END``        put the eval metrics back
+``EVAL_BATCH_END``        put the eval metrics back; list states made syncable (:mod:`composer_join.metrics`)
 ``EVAL_END``              stop every rank if some rank could not form a batch; back to the train plan
 ========================  ======================================================================
 """
@@ -43,6 +43,7 @@ from composer.utils import dist
 from composer_join.batches import first_samples
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
+from composer_join.metrics import MetricStates, shadow_update
 from composer_join.oom import EvalRetry
 from composer_join.plan import StepPlan, agree_on_length
 from composer_join.rebalance import RebalancingLoader
@@ -153,6 +154,7 @@ class UnevenJoin(Algorithm):
         self._wrapper: Optional[Wrapper] = None  # DDP's, FSDP's or none: chosen at the first start
         self._shadow = False  # the current microbatch is a stand-in (joined rank, or padding)
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
+        self._metric_states = MetricStates()  # list-state metrics made syncable on ranks with no data
         self._resumed_report: Optional[EpochReport] = None  # the checkpoint's partial epoch, until FIT_START
         self._wrapper_state: dict[str, Any] = {}  # the checkpoint's wrapper state, until the wrapper exists
         self._eval_retry = EvalRetry()  # automatic eval microbatching: undo a retried batch's metric updates
@@ -200,6 +202,7 @@ class UnevenJoin(Algorithm):
         if self._wrapper is None:  # chosen once, at the first FIT_START or EVAL_START
             self._wrapper = wrapper_for(state, self._rank)
             self._wrapper.load_state_dict(self._wrapper_state)
+            self._metric_states.to_device = state.device.tensor_to_device
         if event == Event.FIT_START:
             self._fit_start(state)
         elif event == Event.EPOCH_START:
@@ -221,6 +224,9 @@ class UnevenJoin(Algorithm):
             self._after_backward(state)
         elif event in (Event.AFTER_TRAIN_BATCH, Event.EVAL_BATCH_END):
             self._unstash_metrics()
+            label = state.dataloader_label
+            metrics = state.train_metrics if event == Event.AFTER_TRAIN_BATCH else state.eval_metrics.get(label)
+            self._metric_states.fill(label, metrics or {})  # Composer computes them next
         elif event == Event.EPOCH_END:
             self._epoch_end(logger)
         elif event == Event.EVAL_START:
@@ -232,7 +238,9 @@ class UnevenJoin(Algorithm):
             self._microbatch_start(state)
             self._shadow_input(state)
         elif event == Event.EVAL_AFTER_FORWARD and self._shadow:
-            self._stash_metrics(state.eval_metrics[state.dataloader_label])
+            metrics = state.eval_metrics[state.dataloader_label]
+            self._metric_states.probe(state.dataloader_label, metrics, shadow_update(state))
+            self._stash_metrics(metrics)
         elif event == Event.EVAL_END:
             if self._loader is not None:
                 self._loader.check_ended_together()
@@ -321,6 +329,9 @@ class UnevenJoin(Algorithm):
     def _after_backward(self, state: State) -> None:
         self._wrapper.after_backward(state, self.plan, self._shadow)
         if self._shadow and state.train_metrics:
+            template = self._templates[state.dataloader_label]
+            self._metric_states.probe(state.dataloader_label, state.train_metrics,
+                                      shadow_update(state, lambda: first_samples(template, TEMPLATE_SAMPLES)))
             self._stash_metrics(state.train_metrics)
 
     def _stash_metrics(self, metrics: dict) -> None:

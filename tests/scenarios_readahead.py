@@ -47,10 +47,13 @@ def make_loader(cfg: dict, rank: int) -> DataLoader:
     unsized = cfg.get('unsized', 'all')
     cls = IdShard if unsized == 'all' or rank in unsized else SizedIdShard
     dataset = cls(rank, cfg['shards'][rank], cfg.get('fail_at', {}).get(rank))
-    if cfg.get('fmt') == 'lambdas':  # batches holding something pickle refuses (deepcopy does not)
+    if cfg.get('fmt') == 'local_dict':  # batches that pickle refuses (a class it cannot import), deepcopy does not
+        class LocalDict(dict):
+            pass
+
         def collate(samples):
-            return [torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]),
-                    torch.tensor([s[2] for s in samples]), [lambda: None for _ in samples]]
+            return LocalDict(x=torch.stack([s[0] for s in samples]), y=torch.stack([s[1] for s in samples]),
+                             ids=torch.tensor([s[2] for s in samples]))
 
         return DataLoader(dataset, batch_size=cfg['batch_size'], collate_fn=collate)
     return DataLoader(dataset, batch_size=cfg['batch_size'])
@@ -67,7 +70,8 @@ class Trained(Callback):
         shadow = is_shadow_step(state)
         self.steps.append({
             'epoch': int(state.timestamp.epoch), 'batch': int(state.timestamp.batch),
-            'ids': None if shadow else [int(i) for i in state.batch[2]],
+            'ids': None if shadow else [int(i) for i in (
+                state.batch['ids'] if isinstance(state.batch, dict) else state.batch[2])],
         })
 
     def batch_end(self, state, logger):

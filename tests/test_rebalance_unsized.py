@@ -1,0 +1,268 @@
+"""``UnevenJoin(mode='rebalance')`` when some or all ranks' dataloaders have no ``len()``, on real ranks.
+
+The reference is a single-process replay written from the rule in docs/rebalancing-without-len.md
+(not from ``composer_join.readahead``): :func:`simulate` plays every rank's read-ahead buffer and
+the give/receive rule step by step from the shard sizes alone, which gives which batch each rank
+trains at each step; the test checks that the ranks recorded exactly that assignment, then
+replays it in one process with the gradient semantics (mean of the per-sample loss gradients over
+the step's samples, times ``A_t / W``) and compares the weights. One launch per world size.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Optional
+
+import pytest
+
+import reference
+from harness import RankError, launch
+from toy import make_module, per_sample_loss, shard
+
+TOL = 1e-5
+READ_AHEAD = 2
+
+SCENARIOS: dict[str, dict] = {
+    # 2 ranks
+    'all_unsized_2_1': dict(shards=[80, 40], batch_size=8, epochs=2),
+    'mixed_empty_mid_batch_adam': dict(shards=[43, 0], batch_size=8, epochs=2, unsized=[0], optimizer='adam',
+                                       join={'divide_by_initial_world_size': False}),
+    'sized_long_unsized_short': dict(shards=[61, 5], batch_size=4, epochs=1, unsized=[1]),
+    'mb_single': dict(shards=[43, 21], batch_size=8, epochs=1, unsized=[1], microbatch=3, sync='single_auto_sync'),
+    'mb_multi': dict(shards=[43, 21], batch_size=8, epochs=1, unsized=[1], microbatch=3, sync='multi_auto_sync'),
+    'mb_forced': dict(shards=[43, 21], batch_size=8, epochs=1, unsized=[1], microbatch=3, sync='forced_sync'),
+    'unsendable_falls_back': dict(shards=[40, 8], batch_size=8, epochs=1, fmt='local_dict'),
+    'fails_mid_epoch': dict(shards=[40, 8], batch_size=8, epochs=1, fail_at={0: 36}),
+    # 3 ranks
+    'three_mixed_empty': dict(shards=[40, 0, 13], batch_size=4, epochs=2, unsized=[0, 1]),
+    # 4 ranks
+    'four_4_1': dict(shards=[64, 16, 16, 16], batch_size=8, epochs=1),
+    'four_one_empty_mb_multi': dict(shards=[24, 24, 24, 0], batch_size=8, epochs=1, unsized=[3], microbatch=3,
+                                    sync='multi_auto_sync'),
+}
+TRAINED = [n for n in SCENARIOS if n != 'fails_mid_epoch']
+RESUME = dict(shards=[56, 16], batch_size=8, epochs=2, resume_at=[3, 8])  # steps 2-4 and 7-9 are the tails
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory) -> dict:
+    results = {}
+    for world in (2, 3, 4):
+        calls = [(name, 'scenarios_readahead:train', {'cfg': cfg}) for name, cfg in SCENARIOS.items()
+                 if len(cfg['shards']) == world]
+        if world == 2:
+            calls.append(('resume', 'scenarios_readahead:resume',
+                          {'cfg': RESUME, 'folder': str(tmp_path_factory.mktemp('readahead'))}))
+        results.update(launch(world, calls, timeout=420))
+    return results
+
+
+def ok(runs: dict, name: str) -> list:
+    errors = [f'rank {r}: {e}' for r, e in enumerate(runs[name]) if isinstance(e, RankError)]
+    assert not errors, f'{name} failed: ' + '; '.join(errors)
+    return runs[name]
+
+
+# -- the reference: the rule of docs/rebalancing-without-len.md, played from the shard sizes -----------
+
+
+Cell = Optional[tuple[int, int]]  # (owner rank, index of the batch in the owner's shard); None: idle
+
+
+def simulate(counts: list[int], sendable: bool = True) -> list[list[Cell]]:
+    """Per step, per rank, the batch it trains, by the documented rule (``sendable=False``: no batch can move)."""
+    world = len(counts)
+    read, drained = [0] * world, [False] * world
+    buffers = [collections.deque() for _ in range(world)]
+
+    def fill(r: int, size: int) -> None:  # read own batches until the buffer holds `size`, or the end is hit
+        while not drained[r] and len(buffers[r]) < size:
+            if read[r] < counts[r]:
+                buffers[r].append((r, read[r]))
+                read[r] += 1
+            else:
+                drained[r] = True
+
+    steps: list[list[Cell]] = []
+    for r in range(world):
+        fill(r, 1)
+    steps.append([buffers[r].popleft() if buffers[r] else None for r in range(world)])  # step 0: own batches only
+    for r in range(world):
+        fill(r, READ_AHEAD)
+    transfers = True
+    while True:
+        held = [len(b) for b in buffers]
+        if sum(held) == 0:
+            return steps
+        row: list[Cell] = [buffers[r].popleft() if held[r] else None for r in range(world)]
+        gives: dict[int, list[int]] = collections.defaultdict(list)
+        if transfers:
+            given = [0] * world
+            for r in range(world):
+                if held[r]:
+                    continue
+                surplus = {q: held[q] - 1 - given[q] for q in range(world) if held[q] >= 1}
+                donors = [q for q in surplus if surplus[q] >= 1 or not drained[q]]
+                if donors:
+                    donor = sorted(donors, key=lambda q: (-surplus[q], q))[0]
+                    given[donor] += 1
+                    gives[donor].append(r)
+        stop_transfers = False
+        for donor, receivers in sorted(gives.items()):
+            for r in receivers:  # buffered batches first, then fresh ones; unsendable: the donor keeps it
+                fill(donor, 1)
+                if not buffers[donor]:
+                    continue  # the donor ran out: r idles
+                if not sendable:
+                    stop_transfers = True
+                    break
+                row[r] = buffers[donor].popleft()
+        transfers = transfers and not stop_transfers
+        for r in range(world):
+            fill(r, READ_AHEAD)
+        steps.append(row)
+
+
+def counts_of(cfg: dict) -> list[int]:
+    return [math.ceil(n / cfg['batch_size']) for n in cfg['shards']]
+
+
+def batch(cfg: dict, cell: tuple[int, int]):
+    owner, i = cell
+    x, y = shard(owner, cfg['shards'][owner])
+    b = cfg['batch_size']
+    return x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]
+
+
+def replay(cfg: dict, steps_per_epoch: list[list[list[Cell]]]) -> dict:
+    """One process trains the steps' batches with the gradient semantics of "What it computes"."""
+    divide = cfg.get('join', {}).get('divide_by_initial_world_size', True)
+    world = len(cfg['shards'])
+    module = make_module('mlp')
+    optimizer = reference.optimizer_for(cfg, module.parameters())
+    for steps in steps_per_epoch:
+        for row in steps:
+            cells = [c for c in row if c is not None]
+            if not cells:
+                continue
+            batches = [batch(cfg, c) for c in cells]
+            samples = sum(len(y) for _, y in batches)
+            loss = sum(per_sample_loss(module, x, y).sum() for x, y in batches)
+            optimizer.zero_grad()
+            (loss / samples * (len(cells) / world if divide else 1.0)).backward()
+            optimizer.step()
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def observed(cfg: dict, per_rank: list[dict]) -> list[list[list[Cell]]]:
+    """Per epoch, per step, per rank: the ``(owner, index)`` of the batch the rank trained (from the sample ids)."""
+    b = cfg['batch_size']
+    assert len({len(res['steps']) for res in per_rank}) == 1, 'ranks ran different numbers of steps'
+    out: list[list[list[Cell]]] = []
+    for t in range(len(per_rank[0]['steps'])):
+        epoch = per_rank[0]['steps'][t]['epoch']
+        assert all(res['steps'][t]['epoch'] == epoch for res in per_rank)
+        if epoch == len(out):
+            out.append([])
+        row = []
+        for res in per_rank:
+            ids = res['steps'][t]['ids']
+            if ids is None:
+                row.append(None)
+                continue
+            owner, first = divmod(ids[0], 1000)
+            assert first % b == 0 and ids == list(range(ids[0], ids[0] + len(ids))), ids
+            row.append((owner, first // b))
+        out[-1].append(row)
+    return out
+
+
+# -- tests -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', TRAINED)
+def test_each_step_trains_the_batches_the_rule_gives(runs, name):
+    cfg = SCENARIOS[name]
+    expected = simulate(counts_of(cfg), sendable=cfg.get('fmt') != 'local_dict')
+    seen = observed(cfg, ok(runs, name))
+    assert len(seen) == cfg['epochs']
+    for epoch, steps in enumerate(seen):
+        assert steps == expected, f'{name}: epoch {epoch}'
+        cells = sorted(c for row in steps for c in row if c is not None)
+        assert cells == [(r, i) for r, n in enumerate(counts_of(cfg)) for i in range(n)]  # every batch once
+
+
+@pytest.mark.parametrize('name', TRAINED)
+def test_weights_match_the_single_process_replay_and_replicas_stay_identical(runs, name):
+    cfg = SCENARIOS[name]
+    expected = simulate(counts_of(cfg), sendable=cfg.get('fmt') != 'local_dict')
+    reference.assert_like_reference(name, ok(runs, name), replay(cfg, [expected] * cfg['epochs']), TOL)
+
+
+def test_rebalancing_keeps_every_rank_busy_with_a_bounded_read_ahead(runs):
+    for name in TRAINED:
+        cfg = SCENARIOS[name]
+        per_rank = ok(runs, name)
+        assert all(res['loader'] == 'ReadAheadRebalancer' for res in per_rank)
+        assert all(res['peak_held'] <= READ_AHEAD for res in per_rank), name
+        if name == 'unsendable_falls_back':
+            continue
+        assert not any('falling back' in line for line in per_rank[0]['log_lines']), name
+        total, world = sum(counts_of(cfg)), len(cfg['shards'])
+        steps = len(simulate(counts_of(cfg)))
+        # step 0 cannot give (no levels known yet); after that only the last two steps may idle
+        assert steps <= math.ceil(total / world) + 1 + (max(counts_of(cfg)) > 0 and min(counts_of(cfg)) == 0), name
+        shadow = sum(res['steps'][t]['ids'] is None for res in per_rank for t in range(steps))
+        assert shadow < world * 3, name
+
+
+def test_report_counts_own_received_given_and_shadow_steps(runs):
+    for name in ('all_unsized_2_1', 'mixed_empty_mid_batch_adam', 'three_mixed_empty'):
+        cfg = SCENARIOS[name]
+        per_rank = ok(runs, name)
+        steps = observed(cfg, per_rank)[0]
+        world = len(cfg['shards'])
+        cells = [(q, c) for row in steps for q, c in enumerate(row)]
+        for res in per_rank:
+            report = res['reports'][0]  # epoch 0 (the last epoch of a fit for a number of samples has no EPOCH_END)
+            assert report['own_batches'] == [sum(c is not None and c[0] == r for q, c in cells if q == r)
+                                             for r in range(world)]
+            assert report['received_batches'] == [sum(c is not None and c[0] != r for q, c in cells if q == r)
+                                                  for r in range(world)]
+            assert report['given_batches'] == [sum(c is not None and c[0] == r and q != r for q, c in cells)
+                                               for r in range(world)]
+            assert report['shadow_steps'] == [sum(c is None for q, c in cells if q == r) for r in range(world)]
+            assert sum(report['received_batches']) > 0
+            assert all((report['bytes_sent'][r] > 0) == (report['given_batches'][r] > 0) for r in range(world))
+
+
+def test_an_unsendable_batch_falls_back_to_shadowing_with_one_warning(runs):
+    per_rank = ok(runs, 'unsendable_falls_back')
+    warnings = [line for line in per_rank[0]['log_lines'] if 'falling back to shadowing' in line]
+    assert len(warnings) == 1 and 'rank(s) [0] hold a batch that cannot be sent' in warnings[0]
+    assert per_rank[0]['reports'] == [] or sum(per_rank[0]['reports'][0]['received_batches']) == 0
+
+
+def test_a_dataloader_raising_mid_epoch_stops_every_rank(runs):
+    failing, other = runs['fails_mid_epoch']
+    assert isinstance(failing, RankError) and failing.type == 'RuntimeError'
+    assert 'disk read error at sample 36' in failing.message
+    assert isinstance(other, RankError) and other.type == 'UnevenInputsError'
+    assert 'rank(s) [0] could not form batch 1' in other.message
+
+
+@pytest.mark.parametrize('at', RESUME['resume_at'])
+def test_a_checkpoint_resumed_mid_tail_gives_the_same_batches_and_weights(runs, at):
+    full = ok(runs, 'resume')
+    expected = simulate(counts_of(RESUME))
+    steps = len(expected)
+    epoch, step = divmod(at, steps)
+    assert any(row[1] is not None and row[1][0] == 0 for row in expected[step:]), 'not in the tail'
+    for rank in range(2):
+        whole, resumed = full[rank]['full'], full[rank][f'resumed@{at}']
+        assert reference.max_abs_diff(whole['params'], resumed['params']) == 0.0
+        after = [s for s in whole['steps'] if s['batch'] >= at]
+        assert resumed['steps'] == after  # same ids at the same global steps: nothing skipped or repeated
+    reference.assert_like_reference('resume', [full[r]['full'] for r in range(2)],
+                                    replay(RESUME, [expected] * RESUME['epochs']), TOL)

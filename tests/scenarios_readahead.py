@@ -14,7 +14,7 @@ import os
 from typing import Any, Optional
 
 import torch
-from composer import Callback
+from composer import Callback, Trainer
 from composer.utils import dist
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -125,3 +125,67 @@ def resume(cfg: dict, folder: str) -> dict[str, Any]:
         [path] = glob.glob(os.path.join(full_dir, f'ep*-ba{b}-rank0.pt'))
         out[f'resumed@{b}'] = fit(cfg, load_path=path)
     return out
+
+
+class _Recorded:
+    """This rank's own dataloader without ``len()``, keeping every batch it yields (for the test's replay)."""
+
+    def __init__(self, loader):
+        self.loader, self.yielded = loader, []
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.yielded.append(tuple(t.clone() for t in batch))
+            yield batch
+
+
+class TrainedText(Callback):
+    """Per step: this rank's batch (None if shadow) and the learning rate it steps with."""
+
+    def __init__(self):
+        self.steps: list[dict[str, Any]] = []
+
+    def batch_start(self, state, logger):
+        self.steps.append({'batch': None if is_shadow_step(state) else tuple(t.clone() for t in state.batch),
+                           'lr': state.optimizers[0].param_groups[0]['lr']})
+
+
+def text_token_budget(overrides: list[str]) -> dict[str, Any]:
+    """configs/text_token_budget.yaml with ``overrides``, its train shard without ``len()``, for one epoch of samples."""
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from composer_join.config import build_one, load_config, trainer_kwargs
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / 'examples'))
+    from data import DATASETS  # noqa: E402
+    from models import MODELS  # noqa: E402
+
+    cfg = OmegaConf.to_container(load_config(root / 'configs' / 'text_token_budget.yaml', overrides))
+    # Without len(), max_duration is in samples, and Composer wants the warmup in the same unit.
+    cfg['schedulers'] = [{'linear_with_warmup_scheduler': {'t_warmup': '100sp'}}]
+    torch.manual_seed(0)
+    model = build_one(MODELS, cfg.get('model'), 'model')
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
+    kwargs = trainer_kwargs(cfg, model.parameters(), sections=('data', 'model'))
+    loaders = build_one(DATASETS, cfg.get('data'), 'data')
+    own = _Recorded(loaders.train)
+    samples = torch.tensor([sum(len(b[0]) for b in loaders.train.dataset.batches)])
+    dist.all_reduce(samples)  # the epoch's samples over all ranks: Composer wants no epochs without len()
+    kwargs.update(max_duration=f'{int(samples)}sp', eval_interval=1)
+    recorder = TrainedText()
+    kwargs.update(progress_bar=False, log_to_console=False)
+    trainer = Trainer(model=model, train_dataloader=own, callbacks=[recorder], **kwargs)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    join = next(a for a in kwargs['algorithms'] if isinstance(a, UnevenJoin))
+    return {
+        'init': init, 'own': own.yielded, 'steps': recorder.steps, 'mode': join.mode,
+        'params': {k: v.detach().clone() for k, v in model.named_parameters()},
+        'loader': type(join._train_loader.dataloader).__name__,
+    }

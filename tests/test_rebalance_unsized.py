@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import math
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -42,6 +43,7 @@ SCENARIOS: dict[str, dict] = {
                                     sync='multi_auto_sync'),
 }
 TRAINED = [n for n in SCENARIOS if n != 'fails_mid_epoch']
+TEXT_OVERRIDES = ['data.pydoc_text.fraction=0.1', 'algorithms.uneven_join.mode=rebalance']
 RESUME = dict(shards=[56, 16], batch_size=8, epochs=2, resume_at=[3, 8])  # steps 2-4 and 7-9 are the tails
 
 
@@ -54,6 +56,7 @@ def runs(tmp_path_factory) -> dict:
         if world == 2:
             calls.append(('resume', 'scenarios_readahead:resume',
                           {'cfg': RESUME, 'folder': str(tmp_path_factory.mktemp('readahead'))}))
+            calls.append(('text', 'scenarios_readahead:text_token_budget', {'overrides': TEXT_OVERRIDES}))
         results.update(launch(world, calls, timeout=420))
     return results
 
@@ -266,3 +269,52 @@ def test_a_checkpoint_resumed_mid_tail_gives_the_same_batches_and_weights(runs, 
         assert resumed['steps'] == after  # same ids at the same global steps: nothing skipped or repeated
     reference.assert_like_reference('resume', [full[r]['full'] for r in range(2)],
                                     replay(RESUME, [expected] * RESUME['epochs']), TOL)
+
+
+# -- the token-budget text config (configs/text_token_budget.yaml), its shards without len() -----------
+
+
+
+def test_token_budget_text_config_matches_the_replay(runs):
+    import sys
+
+    from composer.optim import DecoupledAdamW
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'examples'))
+    from models import MODELS
+
+    per_rank = runs['text']
+    errors = [str(e) for e in per_rank if isinstance(e, RankError)]
+    assert not errors, errors
+    assert [res['loader'] for res in per_rank] == ['ReadAheadRebalancer'] * 2
+    own = [res['own'] for res in per_rank]
+    counts = [len(o) for o in own]
+    assert counts[0] != counts[1]  # token budgets make the shards uneven
+    lookup = {tuple(t.flatten()[:64].tolist() + [t.shape[0], t.shape[1]]): (r, i)
+              for r, batches in enumerate(own) for i, (t, _) in enumerate(batches)}
+    steps = len(per_rank[0]['steps'])
+    seen = [[None if res['steps'][t]['batch'] is None else
+             lookup[tuple(res['steps'][t]['batch'][0].flatten()[:64].tolist() + list(res['steps'][t]['batch'][0].shape))]
+             for res in per_rank] for t in range(steps)]
+    assert seen == simulate(counts)
+    assert len(seen) < max(counts)  # shorter than shadowing's epoch
+    lrs = [[s['lr'] for s in res['steps']] for res in per_rank]
+    assert lrs[0] == lrs[1]
+
+    torch_model = MODELS['byte_lm'](dim=64)
+    torch_model.load_state_dict({**torch_model.state_dict(), **per_rank[0]['init']})
+    optimizer = DecoupledAdamW(torch_model.parameters(), lr=3.0e-3, weight_decay=0.0)
+    for t, row in enumerate(seen):
+        cells = [c for c in row if c is not None]
+        batches = [own[r][i] for r, i in cells]
+        samples = sum(len(b[0]) for b in batches)
+        loss = sum(len(b[0]) / samples * torch_model.loss(torch_model(b), b) for b in batches)
+        for group in optimizer.param_groups:
+            group['lr'] = lrs[0][t]
+        optimizer.zero_grad()
+        (loss * len(cells) / len(row)).backward()
+        optimizer.step()
+    ref = {k: v.detach().clone() for k, v in torch_model.named_parameters()}
+    for rank, res in enumerate(per_rank):
+        diff = reference.max_abs_diff(res['params'], ref)
+        assert diff < TOL, f'rank {rank} is {diff:.2e} from the replay'

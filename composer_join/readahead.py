@@ -58,7 +58,7 @@ from composer_join.batches import map_tensors
 from composer_join.plan import StepPlan
 from composer_join.rebalance import RebalancingLoader
 
-__all__ = ['IDLE', 'READ_AHEAD', 'ReadAheadRebalancer', 'assign']
+__all__ = ['IDLE', 'READ_AHEAD', 'ReadAheadRebalancer', 'assign', 'rebalanced_without_len']
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ dataloader has ended) in step ``t``'s row. ``held < 2`` only once ``drained``.
 4. A donor gives its batches in order: first those in its buffer, then fresh ones from its
    dataloader, to its receivers in increasing rank order. If its dataloader ends while it reads a
    fresh one, the remaining receivers idle this step (nothing is lost: the next rows say so).
-5. At step 0 there are no rows yet: every rank trains its own first batch, a rank without one idles.
+5. Step 0 uses the rows of the epoch's start: every rank fills its buffer, and the ranks exchange
+   ``(held, drained)`` once (one all-reduce of ``2 * W`` integers per epoch, on every rank).
 6. If some rank reported ``unsendable`` (one of its batches cannot be sent: e.g. it holds a
    lambda), there are no more transfers for the rest of the fit: rank 0 logs a warning, and
    ranks that run dry shadow, as in ``mode='shadow'``.
@@ -40,8 +41,8 @@ mid-epoch checkpoint, every rank replays the same rows and transfers, and the sa
 on the same ranks at the same steps (spun batches are discarded, none skipped, none repeated).
 
 Cost over the sized scheme: the agreement on every step (``8 * 12 * W`` bytes, overlapped with the
-previous step's training), a one-integer message before each transfer, and up to two batches of
-read-ahead per rank.
+previous step's training), one all-reduce of ``2 * W`` integers at each epoch's start, a one-integer
+message before each transfer, and up to two batches of read-ahead per rank.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import torch
 from composer.utils import dist
 
 from composer_join.batches import map_tensors
+from composer_join.errors import UnevenInputsError
 from composer_join.plan import StepPlan
 from composer_join.rebalance import RebalancingLoader
 
@@ -171,8 +173,7 @@ class ReadAheadRebalancer(RebalancingLoader):
     def observe(self, plan: StepPlan) -> None:
         """Take an agreed step's rows: the levels for the next step's assignment, and the report's counts."""
         statuses = plan.statuses
-        cells = self._cells if plan.step > 0 and self._cells is not None else \
-            [r if s.has_batch else None for r, s in enumerate(statuses)]
+        cells = self._cells or [None] * len(statuses)
         for r, (cell, s) in enumerate(zip(cells, statuses)):
             if cell is None or not s.has_batch:
                 continue
@@ -197,16 +198,12 @@ class ReadAheadRebalancer(RebalancingLoader):
         self.bytes_sent = self.bytes_received = 0
         self._counts, self.assignments, self._rows = self._zero_counts(), [], None
         source = _Source(iter(self.dataloader))
+        self._rows = self._first_rows(source)
         step = 0
-        source.fill(1)
         while True:
-            if step == 0:
-                cells: Optional[list[Optional[int]]] = [None] * self.world
-                cells[self.rank] = self.rank if source.buffer else None
-            else:
-                if self._rows is None:  # the JoinLoader did not observe the last step: it stopped
-                    return
-                cells = assign(self._rows, self.transfers)
+            if self._rows is None:  # the JoinLoader did not observe the last step: it stopped
+                return
+            cells = assign(self._rows, self.transfers)
             self._cells, self._rows = cells, None
             self.assignments.append(cells)
             if cells is None:
@@ -218,7 +215,7 @@ class ReadAheadRebalancer(RebalancingLoader):
                 batch = IDLE
             else:
                 batch = self._receive_gift(mine, step)
-            receivers = [q for q, c in enumerate(cells) if c == self.rank and q != self.rank] if step > 0 else []
+            receivers = [q for q, c in enumerate(cells) if c == self.rank and q != self.rank]
             if receivers:
                 self._give(source, receivers, step)
             source.fill(READ_AHEAD)  # a dataloader error raises here, after the gifts: no receiver waits
@@ -229,6 +226,30 @@ class ReadAheadRebalancer(RebalancingLoader):
                              'unsendable': self._columns['unsendable']}
             yield batch
             step += 1
+
+    def _first_rows(self, source: '_Source') -> list[tuple[int, bool]]:
+        """Fill the buffer and exchange every rank's ``(held, drained)``: one all-reduce of ``2 * W`` integers per epoch.
+
+        A rank whose dataloader raises here still takes part (reporting ``-1``), so no rank waits;
+        then every rank raises (the failing one its error), and the JoinLoader's agreement stops all.
+        """
+        failure: Optional[BaseException] = None
+        try:
+            source.fill(READ_AHEAD)
+        except Exception as e:
+            failure = e
+        table = torch.zeros(self.world, 2, dtype=torch.int64)
+        table[self.rank] = torch.tensor([-1 if failure is not None else len(source.buffer), int(source.drained)])
+        table = self.to_device(table)
+        torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.SUM)
+        rows = [(int(h), bool(d)) for h, d in table.cpu().tolist()]
+        if failure is not None:
+            raise failure
+        failed = [r for r, (h, _) in enumerate(rows) if h < 0]
+        if failed:
+            raise UnevenInputsError(f'rank(s) {failed} could not read the first batches of the epoch (their dataloader '
+                                    f'raised); every rank stops, the failing rank raises the cause')
+        return rows
 
     def _give(self, source: '_Source', receivers: list[int], step: int) -> None:
         """Send one batch to each receiver, in order: buffered ones first, then fresh ones."""

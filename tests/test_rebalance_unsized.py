@@ -37,6 +37,7 @@ SCENARIOS: dict[str, dict] = {
     'mb_forced': dict(shards=[43, 21], batch_size=8, epochs=1, unsized=[1], microbatch=3, sync='forced_sync'),
     'unsendable_falls_back': dict(shards=[40, 8], batch_size=8, epochs=1, fmt='local_dict'),
     'fails_mid_epoch': dict(shards=[40, 8], batch_size=8, epochs=1, fail_at={0: 36}),
+    'fails_at_the_start': dict(shards=[40, 8], batch_size=8, epochs=1, fail_at={1: 3}),
     # 3 ranks
     'three_mixed_empty': dict(shards=[40, 0, 13], batch_size=4, epochs=2, unsized=[0, 1]),
     # 4 ranks
@@ -44,7 +45,7 @@ SCENARIOS: dict[str, dict] = {
     'four_one_empty_mb_multi': dict(shards=[24, 24, 24, 0], batch_size=8, epochs=1, unsized=[3], microbatch=3,
                                     sync='multi_auto_sync'),
 }
-TRAINED = [n for n in SCENARIOS if n != 'fails_mid_epoch']
+TRAINED = [n for n in SCENARIOS if not n.startswith('fails_')]
 TEXT_OVERRIDES = ['data.pydoc_text.fraction=0.1', 'algorithms.uneven_join.mode=rebalance']
 RESUME = dict(shards=[56, 16], batch_size=8, epochs=2, resume_at=[3, 8])  # steps 2-4 and 7-9 are the tails
 
@@ -251,6 +252,11 @@ def test_a_dataloader_raising_mid_epoch_stops_every_rank(runs):
     assert 'disk read error at sample 36' in failing.message
     assert isinstance(other, RankError) and other.type == 'UnevenInputsError'
     assert 'rank(s) [0] could not form batch 1' in other.message
+    other, failing = runs['fails_at_the_start']  # while filling the buffer, before the epoch's level exchange
+    assert isinstance(failing, RankError) and failing.type == 'RuntimeError'
+    assert 'disk read error at sample 3' in failing.message
+    assert isinstance(other, RankError) and other.type == 'UnevenInputsError'
+    assert 'rank(s) [1] could not read the first batches of the epoch' in other.message
 
 
 @pytest.mark.parametrize('at', RESUME['resume_at'])

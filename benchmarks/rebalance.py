@@ -18,11 +18,18 @@ momentum, one thread per rank, gloo), one epoch per fit, all fits of one world s
 * **ideal**: stock Composer on *balanced* shards holding the same total, ``ceil(total / W)``
   batches per rank (every step real on every rank: the least time any method can take);
 * **shadow**: ``UnevenJoin()`` (``mode='shadow'``): the longest rank's count of steps;
-* **rebalance**: ``UnevenJoin(mode='rebalance')``: ``ceil(total / W)`` steps.
+* **rebalance**: ``UnevenJoin(mode='rebalance')`` on the same shards with ``len()``: ``ceil(total / W)`` steps;
+* **shadow, no len** and **rebalance, no len**: the same shards as iterables without ``len()`` (streams,
+  filtered data, token budgets), with ``UnevenJoin()`` and ``UnevenJoin(mode='rebalance')`` (read-ahead
+  rebalancing, :mod:`composer_join.readahead`), run for the shards' samples (Composer refuses epochs
+  without ``len()``).
 
 Wall time = ``Trainer.fit``, max over ranks, median over repetitions (methods in alternating order).
-Reported: wall / ideal (goal for rebalance: <= 1.10), steps, bytes moved per epoch (the epoch
-report's ``bytes_moved``: tensors plus headers), and samples trained (all of them, in every method).
+Reported: wall / ideal (goal for rebalance: <= 1.10; without len(): <= 1.15), steps, bytes moved per epoch (the
+epoch report's ``bytes_moved``: tensors plus headers), samples trained (all of them, in every method); for the
+read-ahead scheme also the extra cost per step over the sized scheme (``(wall - wall_sized) / steps``), and
+memory: the peak growth of each rank's resident set during the fit (sampled every 2 ms, max over ranks) against
+stock Composer's (the ideal), and the read-ahead buffer's peak in batches and bytes.
 """
 
 from __future__ import annotations
@@ -42,8 +49,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 CASES = ('2:1', '4:1', 'one empty')
-METHODS = ('ideal', 'shadow', 'rebalance')
+METHODS = ('ideal', 'shadow', 'rebalance', 'shadow_nolen', 'rebalance_nolen')
 GOAL = 1.10
+GOAL_NOLEN = 1.15
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ class Setup:
     timeout: float = 300
 
 
-FULL = (Setup(2, 24, reps=3), Setup(3, 24, reps=2), Setup(4, 16, reps=2))
+FULL = (Setup(2, 24, reps=3, timeout=900), Setup(3, 24, reps=3, timeout=900), Setup(4, 16, reps=3, timeout=900))
 QUICK = (Setup(2, 6, reps=1, cases=('4:1', 'one empty'), timeout=150),)
 
 
@@ -75,8 +83,53 @@ def method_batches(method: str, batches: list[int]) -> list[int]:
 # -- on the ranks ---------------------------------------------------------------------------------
 
 
+class Unsized:
+    """A shard as an iterable without ``len()``."""
+
+    def __init__(self, batches):
+        self.batches = batches
+        self.batch_size = batches.batch_size
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+class PeakRSS:
+    """Samples this process's resident set every 2 ms in a thread: ``peak - start`` in bytes."""
+
+    def __enter__(self):
+        import threading
+
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> int:
+        with open('/proc/self/statm') as f:
+            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+
 def fit(batches: list[int], mode: Optional[str]) -> dict[str, Any]:
-    """One epoch on this rank's shard of ``batches[rank]`` batches; ``mode=None``: stock Composer."""
+    """One epoch on this rank's shard of ``batches[rank]`` batches; ``mode=None``: stock Composer.
+
+    ``mode`` ending in ``_nolen``: the shard without ``len()``, run for the shards' samples.
+    """
     import torch
     from composer import Trainer
     from composer.utils import dist
@@ -87,18 +140,24 @@ def fit(batches: list[int], mode: Optional[str]) -> dict[str, Any]:
     rank = dist.get_global_rank()
     sizes = [n * workloads.BATCH for n in batches]
     model = workloads.Classifier()
+    nolen = mode is not None and mode.endswith('_nolen')
+    mode = mode[:-len('_nolen')] if nolen else mode
     join = UnevenJoin(mode=mode) if mode is not None else None
     timer = workloads.StepTimer()
+    data = workloads.shard(rank, sizes)
     trainer = Trainer(
-        model=model, train_dataloader=workloads.shard(rank, sizes), max_duration='1ep',
+        model=model, train_dataloader=Unsized(data) if nolen else data,
+        max_duration=f'{sum(sizes)}sp' if nolen else '1ep',
         optimizers=torch.optim.SGD(model.parameters(), lr=workloads.LR, momentum=0.9),
         algorithms=[join] if join is not None else [], callbacks=[timer], loggers=[], device=workloads.DEVICE,
         progress_bar=False, log_to_console=False, seed=0,
     )
     dist.barrier()
     start = time.perf_counter()
-    trainer.fit()
+    with PeakRSS() as rss:
+        trainer.fit()
     wall = time.perf_counter() - start
+    source = join._train_loader.dataloader if join is not None and join._train_loader is not None else None
     report = join.reports[-1] if join is not None and join.reports else None
     result = {
         'wall': wall,
@@ -107,13 +166,17 @@ def fit(batches: list[int], mode: Optional[str]) -> dict[str, Any]:
         'shadow_steps': sum(timer.shadow),
         'bytes_moved': report.bytes_moved if report is not None else 0,
         'received': report.received_batches if report is not None and report.rebalanced else [],
+        'sent': getattr(source, 'bytes_sent', 0),
+        'rss_growth': rss.growth,
+        'peak_held': getattr(source, 'peak_held', 0),
+        'peak_held_bytes': getattr(source, 'peak_held_bytes', 0),
     }
     trainer.close()
     return result
 
 
 def warm_up(batches: list[int]) -> dict:
-    for mode in (None, 'shadow', 'rebalance'):
+    for mode in (None, 'shadow', 'rebalance', 'rebalance_nolen'):
         fit(batches, mode)
     return {}
 
@@ -130,6 +193,7 @@ def calls(s: Setup) -> list[tuple[str, str, dict]]:
                 mode = None if method == 'ideal' else method
                 out.append((f'{case}|{method}|{rep}', 'rebalance:fit',
                             {'batches': method_batches(method, batches), 'mode': mode}))
+    out.append(('latency', 'workloads:collective_latency', {'repeats': 200}))  # the agreement all-reduce alone
     return out
 
 
@@ -146,34 +210,47 @@ def analyse(res: dict, s: Setup) -> list[dict[str, Any]]:
                 'steps': last[0]['steps'], 'samples': last[0]['samples'], 'wall': statistics.median(walls[m]),
                 'ratio': statistics.median(walls[m]) / ideal,
                 'range': (min(walls[m]) / ideal, max(walls[m]) / ideal),
-                'bytes': last[0]['bytes_moved'], 'shadow_steps': sum(r['shadow_steps'] for r in last),
+                'bytes': sum(r['sent'] for r in last), 'shadow_steps': sum(r['shadow_steps'] for r in last),
+                'rss': statistics.median(max(r['rss_growth'] for r in res[f'{case}|{m}|{rep}']) for rep in range(s.reps)),
+                'peak_held': max(r['peak_held'] for r in last), 'peak_held_bytes': max(r['peak_held_bytes'] for r in last),
             })
     return rows
 
 
 def markdown(rows: list[dict], info: dict) -> str:
     lines = [
-        '## 3. Rebalancing (`UnevenJoin(mode=\'rebalance\')`)\n',
-        f'`{info["command"]}`, {info["date"]}, {info["seconds"]:.0f} s; load average before: {info["load"]}; '
-        f'composer_join {info["code"]}.\n',
+        '## 3. Rebalancing (`UnevenJoin(mode=\'rebalance\')`), with and without `len()`\n',
+        f'`{info["command"]}`, {info["date"]}, {info["seconds"]:.0f} s; load average before: {info["load"]}, '
+        f'after: {info.get("load_after", "?")}; composer_join {info["code"]}.\n',
         'One epoch of the workload above. *ideal*: stock Composer on balanced shards of the same total, '
-        '`ceil(total / W)` batches per rank. *shadow*: `UnevenJoin()`; *rebalance*: `UnevenJoin(mode=\'rebalance\')`. '
+        '`ceil(total / W)` batches per rank. *shadow*: `UnevenJoin()`; *rebalance*: `UnevenJoin(mode=\'rebalance\')`; '
+        '*no len*: the same shards as iterables without `len()` (rebalance: read-ahead rebalancing). '
         'Wall time: `fit`, max over ranks, median over repetitions; range over repetitions in brackets. '
-        f'Bytes moved: per epoch, batches plus headers. Goal: rebalance / ideal <= {GOAL:.2f}.\n',
-        '| ranks | case (batches per rank) | ideal s | shadow / ideal | **rebalance / ideal** | goal met | '
-        'steps: shadow, rebalance | shadow steps (all ranks): shadow, rebalance | bytes moved per epoch |',
-        '|---|---|---|---|---|---|---|---|---|',
+        'Extra per step: `(wall(no len) - wall(len)) / steps` of rebalancing. Bytes moved: per epoch, batches '
+        'plus headers. RSS: peak growth of the resident set during the fit, max over ranks. '
+        f'Goals: rebalance / ideal <= {GOAL:.2f}, without len() <= {GOAL_NOLEN:.2f}.\n',
+        '| ranks | case (batches per rank) | ideal s | shadow / ideal | rebalance / ideal | shadow, no len / ideal | '
+        '**rebalance, no len / ideal** | goal met | steps: shadow, rebalance, no len | extra ms per step, no len | '
+        'bytes moved: len, no len | RSS growth MB: stock, no len | read-ahead peak |',
+        '|---|---|---|---|---|---|---|---|---|---|---|---|---|',
     ]
     for world in sorted({r['world'] for r in rows}):
         for case in dict.fromkeys(r['case'] for r in rows if r['world'] == world):
             by = {r['method']: r for r in rows if r['world'] == world and r['case'] == case}
-            i, sh, rb = by['ideal'], by['shadow'], by['rebalance']
+            i, sh, rb, shn, rbn = (by[m] for m in METHODS)
+            extra = (rbn['wall'] - rb['wall']) / max(rbn['steps'], 1) * 1e3
             lines.append(
                 f'| {world} | {case} ({"/".join(map(str, sh["batches"]))}) | {i["wall"]:.2f} | '
-                f'{sh["ratio"]:.3f} ({sh["range"][0]:.2f}-{sh["range"][1]:.2f}) | '
-                f'**{rb["ratio"]:.3f}** ({rb["range"][0]:.2f}-{rb["range"][1]:.2f}) | '
-                f'{"yes" if rb["ratio"] <= GOAL else "**no**"} | {sh["steps"]}, {rb["steps"]} | '
-                f'{sh["shadow_steps"]}, {rb["shadow_steps"]} | {rb["bytes"] / 1e6:.2f} MB |')
+                f'{sh["ratio"]:.3f} | {rb["ratio"]:.3f} | {shn["ratio"]:.3f} | '
+                f'**{rbn["ratio"]:.3f}** ({rbn["range"][0]:.2f}-{rbn["range"][1]:.2f}) | '
+                f'{"yes" if rbn["ratio"] <= GOAL_NOLEN else "**no**"} | {sh["steps"]}, {rb["steps"]}, {rbn["steps"]} | '
+                f'{extra:+.1f} | {rb["bytes"] / 1e6:.2f}, {rbn["bytes"] / 1e6:.2f} MB | '
+                f'{i["rss"] / 1e6:.1f}, {rbn["rss"] / 1e6:.1f} | {rbn["peak_held"]} ({rbn["peak_held_bytes"] / 1e6:.2f} MB) |')
+    if info.get('latency'):
+        lines.append('\nThe agreement all-reduce alone (`W x 12` int64, gloo, back to back, median): ' + ', '.join(
+            f'{w} ranks {v * 1e3:.2f} ms' for w, v in sorted(info['latency'].items())) + '. Without `len()` it runs on '
+            'every step (overlapped with the previous step\'s training); the sized scheme runs it only on the steps from '
+            'the shortest assigned count\'s last batch on (one or two per epoch).')
     return '\n'.join(lines) + '\n'
 
 
@@ -185,26 +262,22 @@ def chart(rows: list[dict], path: Path) -> None:
 
     groups = [(w, c) for w in sorted({r['world'] for r in rows})
               for c in dict.fromkeys(r['case'] for r in rows if r['world'] == w)]
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups)), 3.8))
-    colors = {'shadow': '#5a8fd6', 'rebalance': '#2e9e5b'}
-    for k, method in enumerate(('shadow', 'rebalance')):
+    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(groups)), 4.0))
+    shown = {'shadow': ('shadow', '#5a8fd6'), 'rebalance': ('rebalance', '#2e9e5b'),
+             'shadow_nolen': ('shadow, no len()', '#a9c4ea'), 'rebalance_nolen': ('rebalance, no len()', '#e08a2c')}
+    width = 0.2
+    for k, (method, (label, color)) in enumerate(shown.items()):
         values = [next(r['ratio'] for r in rows if (r['world'], r['case'], r['method']) == (w, c, method))
                   for w, c in groups]
-        xs = [g + (k - 0.5) * 0.38 for g in range(len(groups))]
-        ax.bar(xs, values, 0.38, label=f'UnevenJoin, {method}', color=colors[method])
-        if method == 'rebalance':  # bytes moved per epoch, above each bar
-            moved = [next(r['bytes'] for r in rows if (r['world'], r['case'], r['method']) == (w, c, method))
-                     for w, c in groups]
-            for x, v, b in zip(xs, values, moved):
-                ax.annotate(f'{b / 1e6:.1f} MB', (x, v), xytext=(0, 2), textcoords='offset points', ha='center',
-                            fontsize=7)
+        xs = [g + (k - 1.5) * width for g in range(len(groups))]
+        ax.bar(xs, values, width, label=label, color=color)
     ax.axhline(1.0, color='black', lw=0.8)
-    ax.axhline(GOAL, color='#2e9e5b', lw=0.8, ls='--', label=f'goal for rebalance ({GOAL:.2f})')
+    ax.axhline(GOAL, color='#2e9e5b', lw=0.8, ls='--', label=f'goal, rebalance ({GOAL:.2f})')
+    ax.axhline(GOAL_NOLEN, color='#e08a2c', lw=0.8, ls='--', label=f'goal, no len() ({GOAL_NOLEN:.2f})')
     ax.set_xticks(range(len(groups)), [f'{w} ranks\n{c}' for w, c in groups], fontsize=8)
-    ax.set(ylabel='epoch wall time / balanced ideal',
-           title='Uneven shards: shadowing vs rebalancing (labels: bytes moved per epoch)')
+    ax.set(ylabel='epoch wall time / balanced ideal', title='Uneven shards: shadowing vs rebalancing, with and without len()')
     ax.set_ylim(0, 1.35 * max(r['ratio'] for r in rows))
-    ax.legend(fontsize=8, ncol=3, loc='upper center')
+    ax.legend(fontsize=7, ncol=3, loc='upper center')
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -223,7 +296,7 @@ def run(quick: bool, out: Path, command: str = '', max_ranks: Optional[int] = No
 
     load = ', '.join(f'{v:.2f}' for v in os.getloadavg())
     start = time.perf_counter()
-    rows = []
+    rows, latency = [], {}
     setups = [s for s in (QUICK if quick else FULL) if max_ranks is None or s.world <= max_ranks]
     left_out = sorted({s.world for s in (QUICK if quick else FULL)} - {s.world for s in setups})
     if not setups:
@@ -235,9 +308,10 @@ def run(quick: bool, out: Path, command: str = '', max_ranks: Optional[int] = No
         res = launch(s.world, calls(s), timeout=s.timeout,
                      progress=lambda name: print(f'  {time.perf_counter() - t0:6.1f}s  {name}', flush=True))
         rows += analyse(res, s)
+        latency[s.world] = statistics.median(r['median'] for r in res['latency'])
     info = {'command': command or ('.venv/bin/python benchmarks/rebalance.py' + (' --quick' if quick else '')),
             'date': datetime.datetime.now().strftime('%Y-%m-%d %H:%M'), 'seconds': time.perf_counter() - start,
-            'load': load, 'code': code_version()}
+            'load': load, 'code': code_version(), 'latency': latency, 'load_after': ', '.join(f'{v:.2f}' for v in os.getloadavg())}
     chart(rows, out / 'rebalance.png')
     note = f'\n(Left out, above --max-ranks {max_ranks}: {", ".join(map(str, left_out))} ranks.)\n' if left_out else ''
     return markdown(rows, info) + note

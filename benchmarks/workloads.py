@@ -478,7 +478,7 @@ def warm_up(sizes: list[int]) -> dict[str, Any]:
 
 
 def collective_latency(repeats: int = 300, late_ms: float = 10.0) -> dict[str, float]:
-    """What one gloo ``all_reduce`` of UnevenJoin's agreement tensor (``W x 9`` int64) costs on this machine.
+    """What one gloo ``all_reduce`` of UnevenJoin's agreement tensor (``W x 12`` int64) costs on this machine.
 
     * ``median``: wall time of one, back to back after a barrier (ranks already in step), median;
     * ``process_cpu`` / ``thread_cpu``: CPU time per call of the whole process / of the calling

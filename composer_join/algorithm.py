@@ -83,7 +83,7 @@ class UnevenJoin(Algorithm):
 
     Cost: one collective per fit or evaluation to agree on the epoch length. When every rank's
     dataloader has a ``len()``, no further collective on the steps before the shortest rank's last
-    batch, and one small one (``72 * W`` bytes) on each step from there on; without a ``len()`` on
+    batch, and one small one (``96 * W`` bytes) on each step from there on; without a ``len()`` on
     some rank, that small one on every step. A shadow step costs a two-sample forward and backward.
 
     Example::
@@ -112,7 +112,8 @@ class UnevenJoin(Algorithm):
         mode: ``'shadow'`` (default): each rank trains its own batches, ranks that run out shadow.
             ``'rebalance'``: ranks that run out are handed whole batches by ranks that still have
             several, so an epoch lasts ``ceil(total batches / W)`` steps
-            (:mod:`composer_join.rebalance`; needs every rank's ``len()``, else it shadows).
+            (:mod:`composer_join.rebalance`; without some rank's ``len()``, step by step from read-ahead
+            buffers: :mod:`composer_join.readahead`).
             Evaluation always shadows (it is exact).
     """
 

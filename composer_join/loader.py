@@ -44,6 +44,7 @@ from composer_join.plan import (
     Agreement, RankStatus, StepPlan, agree_on_failures, agree_on_length, len_or_none, plan_from_lengths,
     steps_planned_from_lengths,
 )
+from composer_join.readahead import IDLE, ReadAheadRebalancer, rebalanced_without_len
 from composer_join.rebalance import RebalancingLoader, rebalanced
 from composer_join.report import EpochReport
 from composer_join.structure import describe as describe_structure, fingerprint
@@ -192,6 +193,8 @@ class JoinLoader:
                     plan = plan_from_lengths(step, self._rank, status, self._world)
                 else:
                     plan = (agreement or Agreement(step, status, self.to_device)).plan()
+                    if isinstance(self.dataloader, ReadAheadRebalancer):  # its buffer levels, for the next step
+                        self.dataloader.observe(plan)
                     self._unreported = 0  # in the plan now, so in the report (or, spun past, already in it)
                     self._raise_if_needed(plan, error, batch)
                     if not plan.active_ranks:
@@ -228,6 +231,8 @@ class JoinLoader:
                 self._unreported = -1 if uncountable else self._unreported + status.samples
             return batch, status, error, None
         status = dataclasses.replace(status, unreported_samples=self._unreported)  # zeroed once agreed
+        if isinstance(self.dataloader, ReadAheadRebalancer):
+            status = dataclasses.replace(status, **self.dataloader.status_columns())
         return batch, status, error, Agreement(step, status, self.to_device) if step > planned else None
 
     def check_ended_together(self) -> None:
@@ -270,6 +275,10 @@ class JoinLoader:
         if batches is not self._exhausted:
             try:
                 batch = next(batches)
+                if batch is IDLE:  # rebalancing without len(): no batch at this step, the epoch goes on
+                    raise _Idle
+            except _Idle:
+                pass
             except StopIteration:
                 self._exhausted = batches
                 if self.own_length is not None and step < self.own_length:  # batch i is trained at step i
@@ -360,7 +369,10 @@ def join_dataloader(
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
     shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device, settings)
     lengths = own_lens
-    if rebalance:  # the lengths are then each rank's assigned batches, own and received
+    if rebalance and None in own_lens:  # some rank has no len(): rebalanced step by step (composer_join.readahead)
+        dataloader, shared, check_overflow, lengths = rebalanced_without_len(dataloader, own_lens,
+                                                                             state.device.tensor_to_device)
+    elif rebalance:  # the lengths are then each rank's assigned batches, own and received
         dataloader, shared, check_overflow, lengths = rebalanced(dataloader, own_lens, shared, check_overflow,
                                                                  state.device.tensor_to_device)
     if microbatch_size is None:
@@ -389,6 +401,10 @@ def join_dataloader(
     log.info('UnevenJoin: %s batches per rank %s; every rank runs %s steps.', label, own_lens,
              shared if shared is not None else 'until the last rank runs out')
     return loader
+
+
+class _Idle(Exception):
+    """Raised inside :meth:`JoinLoader._fetch` for an :data:`~composer_join.readahead.IDLE` step."""
 
 
 def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, int]:

@@ -367,8 +367,9 @@ def rebalanced(
     which the JoinLoader plans the steps before the shortest one's last batch without agreeing.
 
     ``counts`` are every rank's batches per epoch (from the length agreement). If some rank's is
-    unknown (an ``IterableDataset`` without ``__len__``), nobody can tell who has surplus, so this
-    logs a warning and returns the arguments unchanged: the epoch is shadowed as in ``mode='shadow'``.
+    unknown (an ``IterableDataset`` without ``__len__``), no schedule can be planned: this logs a
+    warning and returns the arguments unchanged (shadowing). :func:`~composer_join.loader.join_dataloader`
+    does not call it then: it uses :mod:`composer_join.readahead`, which rebalances step by step.
     """
     if any(n is None for n in counts):
         if dist.get_global_rank() == 0:

@@ -39,8 +39,6 @@ SCENARIOS: dict[str, dict] = {
     'mb_single': dict(shards=[43, 21], batch_size=8, epochs=1, microbatch=3, sync='single_auto_sync', join=RB),
     'mb_multi': dict(shards=[43, 21], batch_size=8, epochs=1, microbatch=3, sync='multi_auto_sync', join=RB),
     'mb_forced': dict(shards=[43, 21], batch_size=8, epochs=1, microbatch=3, sync='forced_sync', join=RB),
-    'no_len_falls_back': dict(shards=[40, 21], batch_size=8, dataset='iterable_nolen', max_duration='9ba', epochs=2,
-                              max_steps=9, join=RB),
     'gift_read_fails': dict(shards=[40, 8], batch_size=8, epochs=1, fail_at={0: 20}, join=RB),
     'len_too_short': dict(shards=[40, 8], batch_size=8, epochs=1, claimed_len={0: 16}, join=RB),
     'unpicklable': dict(shards=[40, 8], batch_size=8, epochs=1, fmt='lambdas', join=RB),
@@ -51,7 +49,7 @@ SCENARIOS: dict[str, dict] = {
     'four_ranks_4_1': dict(shards=[64, 16, 16, 16], batch_size=8, epochs=2, join=RB),
     'map_skewed_sampler': dict(shards=[30, 10, 0, 8], batch_size=4, epochs=2, dataset='skewed', join=RB),
 }
-TRAINED = [n for n in SCENARIOS if n not in ('no_len_falls_back', 'gift_read_fails', 'len_too_short', 'unpicklable')]
+TRAINED = [n for n in SCENARIOS if n not in ('gift_read_fails', 'len_too_short', 'unpicklable')]
 
 
 @pytest.fixture(scope='module')
@@ -245,15 +243,6 @@ def test_non_tensor_content_moves_with_the_batch(runs):
     for s in received:
         start = [_key(x[i]) for i in range(0, 32, 8)].index(_key(s['first_x'])) * 8
         assert s['text'] == [f'sample {int(v)}' for v in y[start:start + 8]]
-
-
-def test_without_len_it_falls_back_to_shadowing_and_says_so(runs):
-    cfg = SCENARIOS['no_len_falls_back']
-    ref = reference.train(dict(cfg, join={'divide_by_initial_world_size': True}))
-    for rank, res in enumerate(ok(runs, 'no_len_falls_back')):
-        assert reference.max_abs_diff(res['params'], ref['params']) < TOL
-        assert res['timestamp']['batch'] == 9
-    assert any('falling back to shadowing' in line for line in runs['no_len_falls_back'][0]['log_lines'])
 
 
 def test_a_failing_donor_stops_every_rank_without_a_hang(runs):

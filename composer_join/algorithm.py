@@ -11,16 +11,18 @@ event                     what happens
                           wrapper's part once (:mod:`composer_join.wrapper`: DDP, FSDP1/2 or none)
 ``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
 ``BEFORE_TRAIN_BATCH``    wrapper: new step (DDP: microbatch cursor, buffer source)
-``BEFORE_FORWARD``        wrapper: this microbatch's sync, guard buffers if shadow; shadow (a joined
-                          rank's or an empty padding microbatch): swap in a two-sample template;
-                          real: keep a template
+``BEFORE_FORWARD``        wrapper: this microbatch's sync; shadow (a joined rank's or an empty padding
+                          microbatch): the wrapper makes it inert (DDP: no model code runs), or else
+                          swap in a two-sample template with buffers guarded; real: keep a template
 ``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked; wrapper check
 ``AFTER_BACKWARD``        wrapper: restore syncing and buffers; shadow: keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
                           (rebalance: with bytes moved)
+``*_CHECKPOINT``, ``FIT_END``  wrapper (DDP): buffers equal on every rank before a checkpoint is saved
+                          and at the end of ``fit``
 ``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement);
-                          wrapper: FSDP pads eval microbatches
+                          wrapper: FSDP pads eval microbatches, DDP makes buffers equal on every rank
 ``EVAL_BEFORE_FORWARD``   shadow: swap in the template; real: keep one
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
 ``EVAL_BATCH_END``        put the eval metrics back
@@ -39,6 +41,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from composer_join.batches import first_samples
+from composer_join.buffers import checkpoint_due
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.plan import StepPlan
@@ -55,8 +58,9 @@ _STARTS = frozenset((Event.FIT_START, Event.EVAL_START))
 _EVENTS = _STARTS | frozenset((
     Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_LOSS, Event.AFTER_BACKWARD,
     Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
-    Event.EVAL_BATCH_END, Event.EVAL_END,
-))  # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
+    Event.EVAL_BATCH_END, Event.EVAL_END, Event.FIT_END,
+))
+_CHECKPOINTS = frozenset((Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT))  # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
 
 
 class UnevenJoin(Algorithm):
@@ -176,7 +180,7 @@ class UnevenJoin(Algorithm):
             self._wrapper.load_state_dict(self._wrapper_state)
 
     def match(self, event: Event, state: State) -> bool:
-        return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
+        return (event in _EVENTS or event in _CHECKPOINTS) and (self._active or (self._active is None and event in _STARTS))
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event in _STARTS and not self._activate():
@@ -192,8 +196,8 @@ class UnevenJoin(Algorithm):
             self._wrapper.start_step(self.plan)
         elif event == Event.BEFORE_FORWARD:
             samples = self._microbatch_start(state)
-            self._wrapper.before_forward(state, self.plan, samples, self._shadow)
-            self._shadow_input(state)
+            if not self._wrapper.before_forward(state, self.plan, samples, self._shadow):
+                self._shadow_input(state)
         elif event == Event.AFTER_LOSS:
             factor = 0.0 if self._shadow else self.plan.grad_factor(self.divide_by_initial_world_size)
             if factor != 1.0:
@@ -212,6 +216,11 @@ class UnevenJoin(Algorithm):
             self._shadow_input(state)
         elif event == Event.EVAL_AFTER_FORWARD and self._shadow:
             self._stash_metrics(state.eval_metrics[state.dataloader_label])
+        elif event == Event.FIT_END:
+            self._wrapper.fit_end(state)
+        elif event in _CHECKPOINTS:
+            if checkpoint_due(state, event):
+                self._wrapper.before_checkpoint(state)
         elif event == Event.EVAL_END:
             if self._loader is not None:
                 self._loader.check_ended_together()

@@ -10,7 +10,15 @@
   broadcast and restores them after the backward pass.
 * :class:`MicrobatchSync`: every rank must issue the same gradient collectives in a step, even
   when ranks split it into different numbers of microbatches.
-* :class:`DDPWrapper`: the three above behind the :class:`~composer_join.wrapper.Wrapper` interface.
+* :func:`sync_buffers`: buffers equal on every rank where they are read (before each evaluation,
+  at the end of ``fit``, before a checkpoint is saved): one broadcast from the buffer source, as
+  torch's join broadcasts the model at the end.
+* a shadow microbatch runs no model code at all (:class:`~composer_join.shadow.DDPShadow`): only
+  DDP's collectives. Where the forward itself communicates (``SyncBatchNorm``), it runs on the
+  zero-sample batch instead, every rank splits the step into the same number of microbatches
+  (:class:`~composer_join.fsdp.MicrobatchPadding`) and the loss is a zero-weighted sum of the
+  outputs (:func:`connected_zero_loss`); the buffers of other modules are guarded.
+* :class:`DDPWrapper`: the above behind the :class:`~composer_join.wrapper.Wrapper` interface.
 """
 
 from __future__ import annotations
@@ -22,12 +30,15 @@ from composer.core import State
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
+from composer_join.batches import map_tensors
 from composer_join.buffers import BufferGuard
 from composer_join.gradients import share_grad_presence
 from composer_join.plan import StepPlan
+from composer_join.shadow import DDPShadow, LossShape, forward_communicates, skippable
 from composer_join.wrapper import Wrapper
 
-__all__ = ['BufferSource', 'DDPWrapper', 'MicrobatchSync', 'broadcast_buffers_from']
+__all__ = ['BufferSource', 'DDPWrapper', 'MicrobatchSync', 'broadcast_buffers_from', 'connected_zero_loss',
+           'sync_buffers']
 
 
 def broadcast_buffers_from(ddp: DistributedDataParallel, source_rank: Callable[[], int]) -> None:
@@ -37,6 +48,29 @@ def broadcast_buffers_from(ddp: DistributedDataParallel, source_rank: Callable[[
         ddp._default_broadcast_coalesced(bufs=list(named_buffers.values()), authoritative_rank=source_rank())
 
     ddp._register_buffer_comm_hook(None, hook, comm_hook_location=_BufferCommHookLocation.PRE_FORWARD)
+
+
+def sync_buffers(ddp: DistributedDataParallel, source: int) -> None:
+    """Broadcast ``ddp``'s buffers from rank ``source`` (all ranks call it), if DDP broadcasts buffers at all."""
+    if not ddp.broadcast_buffers:
+        return
+    ddp._assign_modules_buffers()  # buffers the forward replaced (self.count = self.count + 1)
+    if len(ddp.modules_buffers) > 0:
+        with torch.no_grad():
+            ddp._default_broadcast_coalesced(authoritative_rank=source)
+
+
+def connected_zero_loss(shape: LossShape, outputs: Any) -> Any:
+    """A loss of ``shape``'s structure whose value is ``0`` and whose backward reaches every output tensor.
+
+    For a shadow microbatch whose forward ran on zero samples: its backward then runs the
+    backward collectives of the forward's modules (``SyncBatchNorm``'s all-reduce) like the
+    other ranks', with zero gradients.
+    """
+    parts: list[torch.Tensor] = []
+    map_tensors(lambda t: parts.append(t.sum()) if t.requires_grad else None, outputs)
+    value = sum(parts) * 0.0 if parts else torch.zeros(())
+    return shape.zeros(value) if shape.known else value
 
 
 class BufferSource:
@@ -74,18 +108,25 @@ class MicrobatchSync:
     every microbatch, on every rank. Cost: one sample count per microbatch.
     """
 
-    def __init__(self):
+    def __init__(self, padded: Optional[Callable[[], int]] = None):
         self.seen = 0  # samples of this step's microbatches so far
+        self.index = 0  # microbatches of this step so far
         self.suppressed = False  # this microbatch's sync was turned off here
         self.manual = False  # this is the last microbatch and Composer syncs by hand after it
+        self.padded = padded  # every rank runs this many microbatches (padding): Composer's own syncs match
 
     def start_step(self) -> None:
         self.seen = 0
+        self.index = 0
 
     def before_forward(self, ddp: DistributedDataParallel, plan: StepPlan, rank: int, samples: int) -> None:
         """Before the forward of a microbatch of ``samples`` samples (inside Composer's sync context)."""
         mine = plan.statuses[rank].samples
         self.seen += samples
+        self.index += 1
+        if self.padded is not None:
+            self.manual = self.index == self.padded() and not ddp.require_backward_grad_sync
+            return
         final = 0 <= mine <= self.seen
         if ddp.require_backward_grad_sync and not final and not plan.even_microbatches:
             ddp.require_backward_grad_sync = False
@@ -109,10 +150,21 @@ class MicrobatchSync:
 
 
 class DDPWrapper(Wrapper):
-    """UnevenJoin's DDP-specific part: buffer broadcast source, buffer guard, per-microbatch gradient sync.
+    """UnevenJoin's DDP-specific part: buffer source and syncs, inert shadow microbatches, per-microbatch gradient sync.
 
     Chosen by :func:`~composer_join.wrapper.wrapper_for` when ``state.model`` is a
     ``DistributedDataParallel``. Hooks are installed once per DDP object, at its first ``FIT_START``.
+    A shadow microbatch runs one of three ways, decided once per DDP object:
+
+    * ``'skip'`` (the default): no model code (:class:`~composer_join.shadow.DDPShadow`); until
+      this rank has computed one real loss (whose structure the stand-in copies), the template
+      forward below instead;
+    * ``'zero'``, where the forward communicates (:func:`~composer_join.shadow.forward_communicates`):
+      the model's forward on the zero-sample batch, a zero loss connected to the outputs,
+      microbatch counts padded to the step's largest;
+    * ``'template'`` (DDP configurations the stand-in does not cover, see
+      :func:`~composer_join.shadow.skippable`): the forward and loss on two template samples,
+      gradient weight zero, buffers guarded.
     """
 
     def __init__(self, rank: int):
@@ -121,6 +173,10 @@ class DDPWrapper(Wrapper):
         self._sync = MicrobatchSync()
         self._guard: Optional[BufferGuard] = None
         self._hooked: Optional[DistributedDataParallel] = None
+        self._stand_in: Optional[DDPShadow] = None
+        self.mode = 'template'
+        self._shadowing: Optional[str] = None  # how the current microbatch shadows (None: real)
+        self._padding: Any = None
 
     def state_dict(self) -> dict[str, Any]:
         return {'buffer_source': self._source.rank}
@@ -129,21 +185,69 @@ class DDPWrapper(Wrapper):
         self._source.rank = int(state.get('buffer_source', 0))
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        if state.model is not self._hooked:
-            broadcast_buffers_from(state.model, lambda: self._source.rank)
-            self._guard = BufferGuard(state.model.module)
-            self._hooked = state.model
+        ddp = state.model
+        if ddp is not self._hooked:
+            broadcast_buffers_from(ddp, lambda: self._source.rank)
+            self._hooked = ddp
+            why = skippable(ddp)
+            if why is None:
+                self.mode = 'skip'
+                self._stand_in = DDPShadow(ddp, ddp.module, ddp.device)
+            elif forward_communicates(ddp.module):
+                self.mode = 'zero'
+            self._loss_shape = self._stand_in.loss_shape if self._stand_in is not None else LossShape()
+            self._guard = BufferGuard(ddp.module, keep=lambda m: self.mode == 'zero' and isinstance(
+                m, torch.nn.SyncBatchNorm))
+        if self.mode == 'zero':
+            from composer_join.fsdp import MicrobatchPadding, train_data_spec  # FSDP's padding, reused
+            spec = train_data_spec(state)
+            if spec is not None:
+                MicrobatchPadding.install(spec, plan, state.device.tensor_to_device)
+                self._padding = spec.split_batch
+                self._sync.padded = lambda: self._padding.last_count
+
+    def fit_end(self, state: State) -> None:
+        sync_buffers(state.model, self._source.rank)
+
+    def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        if isinstance(state.model, DistributedDataParallel):
+            sync_buffers(state.model, self._source.rank)
+
+    def before_checkpoint(self, state: State) -> None:
+        sync_buffers(state.model, self._source.rank)
 
     def start_step(self, plan: StepPlan) -> None:
         self._sync.start_step()
         self._source.update(plan)
 
-    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
+    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
         self._sync.before_forward(state.model, plan, self._rank, samples)
-        if shadow and self._guard is not None:
+        self._shadowing = None
+        if not shadow:
+            return False
+        if self.mode == 'skip' and self._stand_in.loss_shape.known:
+            self._shadowing = 'skip'
+            self._stand_in.install()
+            return True
+        self._shadowing = 'zero' if self.mode == 'zero' else 'template'
+        if self._guard is not None:
             self._guard.armed = True
+        if self.mode == 'zero':
+            model = state.model.module
+            model.loss = lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
+            return True  # the forward runs on the zero-sample batch itself
+        return False
+
+    def after_loss(self, state: State, plan: StepPlan) -> None:
+        if self._shadowing is None:
+            self._loss_shape.record(state.loss)
 
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
         self._sync.after_backward(state.model, plan, state.optimizers, state.device.tensor_to_device)
-        if shadow and self._guard is not None:
+        if self._shadowing == 'skip':
+            self._stand_in.remove()
+        elif self._shadowing is not None:
+            if self._shadowing == 'zero':
+                del state.model.module.loss
             self._guard.restore()
+        self._shadowing = None

@@ -66,6 +66,7 @@ class MicrobatchPadding:
         self.split = split
         self.plan = plan
         self.to_device = to_device
+        self.last_count = 0  # microbatches of the last split, padding included
 
     @classmethod
     def install(cls, spec: DataSpec, plan: Callable[[], Optional[StepPlan]],
@@ -78,6 +79,7 @@ class MicrobatchPadding:
 
     def __call__(self, batch: Any, microbatch_size: Any) -> list:
         microbatches = list(self.split(batch, microbatch_size))
+        self.last_count = len(microbatches)
         plan = self.plan()
         if plan is None or not plan.active_ranks:
             return microbatches
@@ -103,6 +105,7 @@ class MicrobatchPadding:
                 f'its microbatches are not made of tensors that Composer\'s default DataSpec can count; under FSDP '
                 f'with microbatching, batches must be tensors (or tuples, lists, dicts of them).',
             )
+        self.last_count = len(microbatches) + len(padding)
         return microbatches + padding
 
 

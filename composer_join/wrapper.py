@@ -28,8 +28,12 @@ that depends on the wrapper around the model:
     wrapper.before_forward(state, plan, samples, shadow)   # BEFORE_FORWARD, every training microbatch
     wrapper.after_loss(state, plan)         # AFTER_LOSS, before the backward pass
     wrapper.after_backward(state, plan, shadow)            # AFTER_BACKWARD
+    wrapper.before_checkpoint(state)        # a *_CHECKPOINT event at which a CheckpointSaver saves
+    wrapper.fit_end(state)                  # FIT_END
 
-``shadow`` is True for a microbatch whose input is the two-sample stand-in (weighted zero).
+``shadow`` is True for a shadow microbatch (a joined rank's, or an empty padding one, weighted zero).
+``before_forward`` returns True if it made the shadow microbatch inert itself; otherwise UnevenJoin
+swaps in the two-sample template.
 The base class is the wrapper for a model that is not wrapped (nothing to do).
 """
 
@@ -63,13 +67,19 @@ class Wrapper:
     def start_step(self, plan: StepPlan) -> None:
         pass
 
-    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
-        pass
+    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
+        return False
 
     def after_loss(self, state: State, plan: StepPlan) -> None:
         pass
 
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
+        pass
+
+    def before_checkpoint(self, state: State) -> None:
+        """Before a checkpoint is saved: make what it holds the same on every rank."""
+
+    def fit_end(self, state: State) -> None:
         pass
 
 

@@ -1,0 +1,96 @@
+"""The models of the inert-shadow tests (after torch's own DDP uneven-input tests), shared by ranks and reference.
+
+Every model is built deterministically (``make``), and every model's computation that is not a
+per-sample gradient is one a shadow batch must not reach:
+
+* ``'syncbn'``: the toy BatchNorm MLP; the ranks convert it with ``SyncBatchNorm.convert_sync_batchnorm``,
+  the reference keeps plain ``BatchNorm1d`` over the union of the ranks' samples;
+* ``'bn'``: plain ``BatchNorm1d`` (running statistics, ``num_batches_tracked``);
+* ``'heads'``: three heads, each sample's chosen by its label (DDP's reducer expects every head to be used);
+* ``'unused'``: torch's ``UnusedParamModule`` pattern: rank 0 runs ``t1(t0(x))``, the others ``t1(x)``;
+* ``'count'``: the MLP with a buffer the forward replaces (``self.count = self.count + 1``);
+* ``'mlp'`` with the ``'topk'`` loss: the mean loss of the 4 hardest samples of each microbatch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from toy import CLASSES, FEATURES, make_module
+
+TOPK = 4
+
+
+class Heads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(FEATURES, 8)
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(8, CLASSES) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, rank: int) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        out = h.new_zeros(len(x), CLASSES)
+        for i, head in enumerate(self.heads):
+            chosen = (y == i).nonzero().flatten()
+            if len(chosen):
+                out = out.index_add(0, chosen, head(h[chosen]))
+        return out
+
+
+class UnusedParam(torch.nn.Module):
+    """torch's ``UnusedParamModule`` (distributed_test.py): ``t0`` is used by rank 0 only."""
+
+    def __init__(self):
+        super().__init__()
+        self.t0 = torch.nn.Linear(FEATURES, FEATURES)
+        self.t1 = torch.nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, rank: int) -> torch.Tensor:
+        return self.t1(torch.tanh(self.t0(x))) if rank == 0 else self.t1(x)
+
+
+class Counting(torch.nn.Module):
+    """The MLP and a buffer counting training forwards, replaced (not updated in place) by each."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = make_module('mlp')
+        self.register_buffer('count', torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, rank: int) -> torch.Tensor:
+        if self.training:
+            self.count = self.count + 1
+        return self.mlp(x)
+
+
+def make(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind in ('syncbn', 'bn'):
+        return make_module('bn')
+    if kind == 'heads':
+        return Heads()
+    if kind == 'unused':
+        return UnusedParam()
+    if kind == 'count':
+        return Counting()
+    return make_module('mlp')
+
+
+def run(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int) -> torch.Tensor:
+    if isinstance(module, (Heads, UnusedParam, Counting)):
+        return module(x, y, rank)
+    return module(x)
+
+
+def loss_sum(kind_loss: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The microbatch's loss times its number of samples (what Composer's weighting sums over ranks)."""
+    losses = F.cross_entropy(out, y, reduction='none')
+    if kind_loss == 'topk':
+        return losses.topk(TOPK).values.mean() * len(y)
+    return losses.sum()
+
+
+def loss_mean(kind_loss: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The model's loss, as a ComposerModel returns it (fails on fewer than 4 samples for ``'topk'``)."""
+    return loss_sum(kind_loss, out, y) / len(y)

@@ -30,15 +30,13 @@ from composer.core import State
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
-from composer_join.batches import map_tensors
 from composer_join.buffers import BufferGuard
 from composer_join.gradients import share_grad_presence
 from composer_join.plan import StepPlan
-from composer_join.shadow import DDPShadow, LossShape, forward_communicates, skippable
+from composer_join.shadow import DDPShadow, LossShape, connected_zero_loss, forward_communicates, skippable
 from composer_join.wrapper import Wrapper
 
-__all__ = ['BufferSource', 'DDPWrapper', 'MicrobatchSync', 'broadcast_buffers_from', 'connected_zero_loss',
-           'sync_buffers']
+__all__ = ['BufferSource', 'DDPWrapper', 'MicrobatchSync', 'broadcast_buffers_from', 'sync_buffers']
 
 
 def broadcast_buffers_from(ddp: DistributedDataParallel, source_rank: Callable[[], int]) -> None:
@@ -58,19 +56,6 @@ def sync_buffers(ddp: DistributedDataParallel, source: int) -> None:
     if len(ddp.modules_buffers) > 0:
         with torch.no_grad():
             ddp._default_broadcast_coalesced(authoritative_rank=source)
-
-
-def connected_zero_loss(shape: LossShape, outputs: Any) -> Any:
-    """A loss of ``shape``'s structure whose value is ``0`` and whose backward reaches every output tensor.
-
-    For a shadow microbatch whose forward ran on zero samples: its backward then runs the
-    backward collectives of the forward's modules (``SyncBatchNorm``'s all-reduce) like the
-    other ranks', with zero gradients.
-    """
-    parts: list[torch.Tensor] = []
-    map_tensors(lambda t: parts.append(t.sum()) if t.requires_grad else None, outputs)
-    value = sum(parts) * 0.0 if parts else torch.zeros(())
-    return shape.zeros(value) if shape.known else value
 
 
 class BufferSource:
@@ -156,9 +141,9 @@ class DDPWrapper(Wrapper):
     ``DistributedDataParallel``. Hooks are installed once per DDP object, at its first ``FIT_START``.
     A shadow microbatch runs one of three ways, decided once per DDP object:
 
-    * ``'skip'`` (the default): no model code (:class:`~composer_join.shadow.DDPShadow`); until
-      this rank has computed one real loss (whose structure the stand-in copies), the template
-      forward below instead;
+    * ``'skip'`` (the default): no model code (:class:`~composer_join.shadow.DDPShadow`). The
+      stand-in loss copies the structure of the model's loss, so a rank that has not computed
+      one yet (it had no data of its own) runs its first shadow microbatch the template way below;
     * ``'zero'``, where the forward communicates (:func:`~composer_join.shadow.forward_communicates`):
       the model's forward on the zero-sample batch, a zero loss connected to the outputs,
       microbatch counts padded to the step's largest;
@@ -239,7 +224,7 @@ class DDPWrapper(Wrapper):
         return False
 
     def after_loss(self, state: State, plan: StepPlan) -> None:
-        if self._shadowing is None:
+        if self._shadowing in (None, 'template'):  # the model's own loss (on the template: a rank with no data yet)
             self._loss_shape.record(state.loss)
 
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:

@@ -22,6 +22,9 @@ to the same parameters on every rank. Three pieces see to that:
   FSDP1 copes with those) or an FSDP2 parameter.
 * a :class:`~composer_join.buffers.BufferGuard` on the whole model: FSDP does not broadcast
   buffers, every rank keeps its own, so a shadow forward must simply leave this rank's untouched.
+* the loss of a shadow microbatch is :func:`~composer_join.shadow.connected_zero_loss` (zero,
+  reaching every output, with the structure of the model's loss), not the model's own, which
+  may fail on two samples (top-k mining); the forward still runs, for FSDP's all-gathers.
 
 :class:`FSDPWrapper` puts them behind the :class:`~composer_join.wrapper.Wrapper` interface.
 """
@@ -40,6 +43,7 @@ from composer_join.batches import first_samples, map_tensors
 from composer_join.buffers import BufferGuard
 from composer_join.errors import UnevenInputsError
 from composer_join.plan import StepPlan
+from composer_join.shadow import LossShape, connected_zero_loss
 from composer_join.wrapper import Wrapper
 
 __all__ = ['FSDPWrapper', 'GradientUnits', 'MicrobatchPadding']
@@ -214,6 +218,8 @@ class FSDPWrapper(Wrapper):
         self._model: Optional[torch.nn.Module] = None
         self._guard: Optional[BufferGuard] = None
         self._units: Optional[GradientUnits] = None
+        self._loss_shape = LossShape()
+        self._stand_in = False  # the current microbatch's loss is the stand-in
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
@@ -237,11 +243,20 @@ class FSDPWrapper(Wrapper):
             self._guard = BufferGuard(state.model)
             self._units = GradientUnits(state.model)
 
-    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
+    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
         if shadow:
             self._guard.armed = True
+            if self._loss_shape.known:  # else (no real loss seen yet on this rank) the model's own, on the template
+                state.model.loss = lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
+                self._stand_in = True
+        return False
 
     def after_loss(self, state: State, plan: StepPlan) -> None:
+        if self._stand_in:
+            del state.model.loss
+            self._stand_in = False
+        else:
+            self._loss_shape.record(state.loss)
         if len(self._units):
             self._units.check(state.loss, plan, state.device.tensor_to_device)
 

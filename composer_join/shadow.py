@@ -24,7 +24,8 @@ Cost of a shadow microbatch: the collectives only (and a copy of each reduced bu
 gradients); no forward or backward computation.
 
 Where the forward itself communicates (``SyncBatchNorm``, or a module with
-``shadow_forward = True``), the model must run: see :func:`forward_communicates`.
+``shadow_forward = True``), the model must run: see :func:`forward_communicates`; the loss is
+then :func:`connected_zero_loss`, never the model's.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from composer_join.batches import map_tensors
 
-__all__ = ['DDPShadow', 'LossShape', 'forward_communicates', 'skippable']
+__all__ = ['DDPShadow', 'LossShape', 'connected_zero_loss', 'forward_communicates', 'skippable']
 
 
 def forward_communicates(module: torch.nn.Module) -> bool:
@@ -87,6 +88,21 @@ class LossShape:
                 return type(skeleton)(fill(v) for v in skeleton)
             return skeleton
         return fill(self._skeleton)
+
+
+def connected_zero_loss(shape: LossShape, outputs: Any) -> Any:
+    """A loss of ``shape``'s structure whose value is ``0`` and whose backward reaches every output tensor.
+
+    For a shadow microbatch whose forward must run (DDP with ``SyncBatchNorm``: on zero samples;
+    FSDP: on the template): its backward then runs the backward collectives of the forward's
+    modules (``SyncBatchNorm``'s all-reduce, FSDP's reduce-scatters) like the other ranks', with
+    zero gradients, and the model's own loss, which may not cope with so few samples (top-k
+    mining, contrastive pairs), never runs. ``shape`` unknown: a scalar.
+    """
+    parts: list[torch.Tensor] = []
+    map_tensors(lambda t: parts.append(t.sum()) if t.requires_grad else None, outputs)
+    value = sum(parts) * 0.0 if parts else torch.zeros((), requires_grad=True)
+    return shape.zeros(value) if shape.known else value
 
 
 class _MatchBackward(torch.autograd.Function):

@@ -94,3 +94,16 @@ def train_inert(cfg: dict) -> dict[str, Any]:
         'eval': {k.split('/')[-1]: [float(v) for _, v in vals] for k, vals in memory.data.items()
                  if k.startswith('metrics/eval/')},
     }
+
+
+def train_fsdp_topk(cfg: dict) -> dict[str, Any]:
+    """``scenarios_fsdp.train`` (FSDP1 or FSDP2, ``cfg['wrapper']``) with the top-4 loss of ``toy_inert``."""
+    import scenarios_fsdp
+
+    model = scenarios_fsdp.FSDPToyModel
+    original = model.loss
+    model.loss = lambda self, outputs, batch: toy_inert.loss_mean('topk', outputs, unpack(batch)[1])
+    try:
+        return scenarios_fsdp.train(cfg)
+    finally:
+        model.loss = original

@@ -56,6 +56,10 @@ def _cases() -> dict[str, dict]:
 
 
 CASES = _cases()
+# Under FSDP a shadow microbatch still runs the forward (FSDP all-gathers in it), on two template
+# samples; its loss is a zero-weighted sum of the outputs, never the model's (here: a top-4 loss).
+FSDP = {f'fsdp_topk_{w}_mb4': dict(model='mlp', loss='topk', shards=[32, 16], batch_size=8, microbatch=4,
+                                   wrapper=w, join={}) for w in ('fsdp1', 'fsdp2')}
 
 
 @pytest.fixture(scope='module')
@@ -64,6 +68,8 @@ def runs() -> dict:
     for world in (2, 3):
         calls = [(name, 'scenarios_inert:train_inert', {'cfg': cfg}) for name, cfg in CASES.items()
                  if len(cfg['shards']) == world]
+        calls += [(name, 'scenarios_inert:train_fsdp_topk', {'cfg': cfg}) for name, cfg in FSDP.items()
+                  if len(cfg['shards']) == world]
         results.update(launch(world, calls, timeout=420))
     return results
 
@@ -95,6 +101,15 @@ def test_matches_the_single_process_reference(runs, name):
             if key == 'count':  # counts forwards: one process runs one per rank and step (see the count test)
                 continue
             diff = float((res['state'][key].double() - value.double()).abs().max())
+            assert diff < TOL, f'{name}: rank {rank}: {key} is {diff:.2e} from the reference'
+
+
+@pytest.mark.parametrize('name', sorted(FSDP))
+def test_fsdp_shadow_microbatches_never_run_the_loss(runs, name):
+    ref = reference_inert.train(FSDP[name])
+    for rank, res in enumerate(ok(runs, name)):
+        for key, value in res['params'].items():
+            diff = float((value.double() - ref[key].double()).abs().max())
             assert diff < TOL, f'{name}: rank {rank}: {key} is {diff:.2e} from the reference'
 
 

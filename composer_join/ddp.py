@@ -207,7 +207,7 @@ class DDPWrapper(Wrapper):
 
     def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
         self._sync.before_forward(state.model, plan, self._rank, samples)
-        self._shadowing = None
+        self._end_shadow(state)  # a microbatch that did not finish (e.g. an OOM retry) leaves no stand-in behind
         if not shadow:
             return False
         if self.mode == 'skip' and self._stand_in.loss_shape.known:
@@ -229,10 +229,13 @@ class DDPWrapper(Wrapper):
 
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
         self._sync.after_backward(state.model, plan, state.optimizers, state.device.tensor_to_device)
+        self._end_shadow(state)
+
+    def _end_shadow(self, state: State) -> None:
         if self._shadowing == 'skip':
             self._stand_in.remove()
         elif self._shadowing is not None:
             if self._shadowing == 'zero':
-                del state.model.module.loss
+                state.model.module.__dict__.pop('loss', None)
             self._guard.restore()
         self._shadowing = None

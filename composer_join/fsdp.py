@@ -244,6 +244,9 @@ class FSDPWrapper(Wrapper):
             self._units = GradientUnits(state.model)
 
     def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
+        if self._stand_in:  # the last microbatch did not reach its loss (e.g. an OOM retry)
+            state.model.__dict__.pop('loss', None)
+            self._stand_in = False
         if shadow:
             self._guard.armed = True
             if self._loss_shape.known:  # else (no real loss seen yet on this rank) the model's own, on the template

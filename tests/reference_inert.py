@@ -6,7 +6,7 @@ that has one (``A_t`` of ``W`` ranks, ``S_t`` samples); each rank's batch is cut
 ``sum over those microbatches of (microbatch loss * its samples) / S_t``, times ``A_t / W`` if
 ``divide_by_initial_world_size``. A parameter no microbatch of the step used gets no gradient, so SGD
 leaves it and its momentum alone. With ``'syncbn'`` the model normalises microbatch index ``k`` over
-the union of every rank's ``k``-th microbatch (what ``SyncBatchNorm`` computes), and its running
+the union of every rank's ``k``-th microbatch (what ``SyncBatchNorm`` computes, and ``'sumbn'``), and its running
 statistics are updated once per microbatch index.
 """
 
@@ -42,7 +42,7 @@ def train(cfg: dict) -> dict:
             samples = sum(len(per_rank[r][t][1]) for r in active)
             micro = {r: _microbatches(per_rank[r][t], cfg.get('microbatch')) for r in active}
             total = 0.0
-            if kind == 'syncbn':  # one normalisation over the union of each microbatch index's samples
+            if kind in ('syncbn', 'sumbn'):  # one normalisation over the union of each microbatch index's samples
                 for k in range(max(len(m) for m in micro.values())):
                     parts = [micro[r][k] for r in active if k < len(micro[r])]
                     x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

@@ -22,7 +22,7 @@ from toy import CLASSES, unpack
 class InertModel(ComposerModel):
     def __init__(self, kind: str, loss: str = 'ce'):
         super().__init__()
-        self.module = toy_inert.make(kind)
+        self.module = toy_inert.make(kind, distributed=True)
         if kind == 'syncbn':
             self.module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.module)
         self.kind_loss = loss
@@ -63,8 +63,11 @@ class EvalStates(Callback):
         self.states.append(_state(self.module))
 
 
-def train_inert(cfg: dict) -> dict[str, Any]:
-    """One Composer ``fit`` of a ``toy_inert`` model with UnevenJoin; see ``reference_inert.train``."""
+def train_inert(cfg: dict, **checkpointing) -> dict[str, Any]:
+    """One Composer ``fit`` of a ``toy_inert`` model with UnevenJoin; see ``reference_inert.train``.
+
+    ``checkpointing``: Trainer arguments (``save_folder``, ``save_interval``, ``load_path``).
+    """
     syncbn_cpu.install()
     rank = dist.get_global_rank()
     model = InertModel(cfg['model'], cfg.get('loss', 'ce'))
@@ -81,6 +84,7 @@ def train_inert(cfg: dict) -> dict[str, Any]:
         device_train_microbatch_size=cfg.get('microbatch'),
         ddp_sync_strategy=cfg.get('sync'),
         eval_dataloader=make_evaluator(cfg, rank),
+        **checkpointing,
     )
     try:
         error = error_if_expected(cfg, trainer.fit)
@@ -107,3 +111,15 @@ def train_fsdp_topk(cfg: dict) -> dict[str, Any]:
         return scenarios_fsdp.train(cfg)
     finally:
         model.loss = original
+
+
+def resume(cfg: dict, folder: str) -> dict[str, Any]:
+    """The uninterrupted fit (a checkpoint after every batch), and a fit resumed from batch ``cfg['resume_at']``."""
+    import os
+
+    from scenarios_resume import checkpoint
+
+    full_dir = os.path.join(folder, 'full')
+    full = train_inert(cfg, save_folder=full_dir, save_interval='1ba', save_overwrite=True)
+    resumed = train_inert(cfg, load_path=checkpoint(full_dir, cfg['resume_at']))
+    return {'error': full['error'] or resumed['error'], 'state': full['state'], 'resumed': resumed['state']}

@@ -36,6 +36,8 @@ def _cases() -> dict[str, dict]:
         cases[f'heads_{short}'] = dict(model='heads', shards=[16, 8], sync=sync)
     cases.update(
         syncbn=dict(model='syncbn', shards=[16, 8]),
+        # a model that sums its own statistics over ranks in the forward, following the rule (shadow_forward)
+        sumbn_multi_mb3=dict(model='sumbn', shards=[21, 8], microbatch=3, sync='multi_auto_sync'),
         unused=dict(model='unused', shards=[8, 24], find_unused=True),
         topk=dict(model='mlp', loss='topk', shards=[32, 16]),
         bn_eval=dict(model='bn', shards=[16, 8], epochs=2, eval_shards=[10, 3]),
@@ -44,6 +46,7 @@ def _cases() -> dict[str, dict]:
         # three ranks
         syncbn_3=dict(model='syncbn', shards=[16, 8, 24]),
         syncbn_3_multi_mb3=dict(model='syncbn', shards=[21, 8, 13], microbatch=3, sync='multi_auto_sync'),
+        sumbn_3_forced_mb3=dict(model='sumbn', shards=[8, 21, 13], microbatch=3, sync='forced_sync'),
         unused_3_mb3=dict(model='unused', shards=[8, 24, 16], microbatch=3, sync='single_auto_sync', find_unused=True),
         topk_3_mb4=dict(model='mlp', loss='topk', shards=[32, 16, 8], microbatch=4, sync='forced_sync'),
         heads_3=dict(model='heads', shards=[16, 8, 24]),
@@ -62,14 +65,20 @@ FSDP = {f'fsdp_topk_{w}_mb4': dict(model='mlp', loss='topk', shards=[32, 16], ba
                                    wrapper=w, join={}) for w in ('fsdp1', 'fsdp2')}
 
 
+# BatchNorm resumed after rank 0 (whose copy Composer checkpoints) ran out: at batch 2 rank 1 is the source
+RESUME = {'bn_resume_rank0_short': dict(model='bn', shards=[8, 24], batch_size=8, resume_at=2)}
+
+
 @pytest.fixture(scope='module')
-def runs() -> dict:
+def runs(tmp_path_factory) -> dict:
     results = {}
     for world in (2, 3):
         calls = [(name, 'scenarios_inert:train_inert', {'cfg': cfg}) for name, cfg in CASES.items()
                  if len(cfg['shards']) == world]
         calls += [(name, 'scenarios_inert:train_fsdp_topk', {'cfg': cfg}) for name, cfg in FSDP.items()
                   if len(cfg['shards']) == world]
+        calls += [(name, 'scenarios_inert:resume', {'cfg': cfg, 'folder': str(tmp_path_factory.mktemp(name))})
+                  for name, cfg in RESUME.items() if len(cfg['shards']) == world]
         results.update(launch(world, calls, timeout=420))
     return results
 
@@ -158,6 +167,14 @@ def test_uneven_evaluation_of_a_batchnorm_model_equals_one_process(runs, name):
         for metric, value in expected.items():
             for res in per_rank:
                 assert abs(res['eval'][metric][i] - value) < 1e-6, (name, i, metric, res['eval'][metric][i], value)
+
+
+@pytest.mark.parametrize('name', sorted(RESUME))
+def test_batchnorm_statistics_resume_exactly_after_rank_0_ran_out(runs, name):
+    """The checkpoint holds the buffer source's statistics, so a resumed fit ends where the uninterrupted one does."""
+    for rank, res in enumerate(ok(runs, name)):
+        for key, value in res['state'].items():
+            assert torch.equal(res['resumed'][key], value), f'{name}: rank {rank}: {key} differs after resuming'
 
 
 @pytest.mark.parametrize('name', ['count', 'count_3'])

@@ -5,6 +5,9 @@ per-sample gradient is one a shadow batch must not reach:
 
 * ``'syncbn'``: the toy BatchNorm MLP; the ranks convert it with ``SyncBatchNorm.convert_sync_batchnorm``,
   the reference keeps plain ``BatchNorm1d`` over the union of the ranks' samples;
+* ``'sumbn'``: the same with a BatchNorm of its own that sums its statistics over ranks in the forward
+  (a differentiable all-reduce of sum, sum of squares and count), marked ``shadow_forward = True``
+  and coping with a zero-sample input, the rule for such models; the reference normalises over the union;
 * ``'bn'``: plain ``BatchNorm1d`` (running statistics, ``num_batches_tracked``);
 * ``'heads'``: three heads, each sample's chosen by its label (DDP's reducer expects every head to be used);
 * ``'unused'``: torch's ``UnusedParamModule`` pattern: rank 0 runs ``t1(t0(x))``, the others ``t1(x)``;
@@ -20,6 +23,41 @@ import torch.nn.functional as F
 from toy import CLASSES, FEATURES, make_module
 
 TOPK = 4
+
+
+class SumBatchNorm(torch.nn.Module):
+    """Batch normalisation over every rank's samples: sum, sum of squares and count all-reduced in the forward.
+
+    ``shadow_forward = True`` tells UnevenJoin that the forward communicates, so a shadow microbatch
+    runs it, on zero samples: those add nothing to the sums. Without ``distributed`` (the
+    reference) it normalises over its own input.
+    """
+
+    shadow_forward = True
+
+    def __init__(self, channels: int, distributed: bool, eps: float = 1e-5):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(channels))
+        self.bias = torch.nn.Parameter(torch.zeros(channels))
+        self.distributed, self.eps = distributed, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stats = torch.cat([x.sum(0), (x * x).sum(0), x.new_full((1,), float(len(x)))])
+        if self.distributed:
+            from torch.distributed.nn.functional import all_reduce
+            stats = all_reduce(stats)
+        c = len(self.weight)
+        n = stats[2 * c]
+        mean = stats[:c] / n
+        var = stats[c:2 * c] / n - mean * mean
+        return (x - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+
+def make_sumbn(distributed: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(FEATURES, 8), SumBatchNorm(8, distributed), torch.nn.Tanh(), torch.nn.Linear(8, CLASSES),
+    )
 
 
 class Heads(torch.nn.Module):
@@ -64,7 +102,9 @@ class Counting(torch.nn.Module):
         return self.mlp(x)
 
 
-def make(kind: str) -> torch.nn.Module:
+def make(kind: str, distributed: bool = False) -> torch.nn.Module:
+    if kind == 'sumbn':
+        return make_sumbn(distributed)
     torch.manual_seed(0)
     if kind in ('syncbn', 'bn'):
         return make_module('bn')

@@ -21,7 +21,7 @@ fuzz: $(STAMP)   # hypothesis: hundreds of random uneven runs against the refere
 # On GPUs (not run in CI): the distributed tests and the benchmarks with device='gpu' and NCCL, one GPU
 # per rank; scenarios with more ranks than GPUs are skipped. Both stop with a message below 2 GPUs.
 GPU_TESTS ?= tests/test_join_core.py tests/test_sync_strategies.py tests/test_evaluation.py \
-	tests/test_collective_cost.py $(wildcard tests/test_fsdp*.py)
+	tests/test_collective_cost.py tests/test_inert_shadow.py $(wildcard tests/test_fsdp*.py)
 
 test-gpu: $(STAMP)
 	@$(VENV)/bin/python tests/devices.py 2 'make test-gpu'

@@ -67,8 +67,8 @@ class UnevenJoin(Algorithm):
     """Train data-parallel with a different amount of data on each rank, dropping nothing.
 
     Every rank trains on every batch of its own shard, every epoch. A rank that runs out *joins*:
-    it keeps running Composer's real training step on a shadow batch (two samples whose gradient
-    is multiplied by zero, counted as zero samples), so it takes part in every collective of the
+    it keeps running Composer's real training step on a shadow batch (counted as zero samples,
+    contributing nothing to any rank), so it takes part in every collective of the
     step (DDP's gradient all-reduce or FSDP's all-gathers and reduce-scatters, and all of Composer's
     own) and takes the same optimizer step, until the last rank runs out. Under FSDP, ranks with
     fewer microbatches in a step are padded with shadow microbatches. Then the epoch ends on all
@@ -83,7 +83,9 @@ class UnevenJoin(Algorithm):
     Cost: one collective per fit or evaluation to agree on the epoch length. When every rank's
     dataloader has a ``len()``, no further collective on the steps before the shortest rank's last
     batch, and one small one (``72 * W`` bytes) on each step from there on; without a ``len()`` on
-    some rank, that small one on every step. A shadow step costs a two-sample forward and backward.
+    some rank, that small one on every step. A shadow step is inert (``docs/shadow-steps.md``): under DDP
+    it runs no model code, only DDP's collectives; where the forward communicates (``SyncBatchNorm``) a
+    forward and backward on zero samples; under FSDP on two template samples, with a zero loss.
 
     Example::
 

@@ -33,7 +33,9 @@ from torch.nn.parallel.distributed import _BufferCommHookLocation
 from composer_join.buffers import BufferGuard
 from composer_join.gradients import share_grad_presence
 from composer_join.plan import StepPlan
-from composer_join.shadow import DDPShadow, LossShape, connected_zero_loss, forward_communicates, skippable
+from composer_join.errors import UnevenInputsError
+from composer_join.shadow import DDPShadow, ForwardProbe, LossShape, connected_zero_loss, forward_communicates, \
+    skippable
 from composer_join.wrapper import Wrapper
 
 __all__ = ['BufferSource', 'DDPWrapper', 'MicrobatchSync', 'broadcast_buffers_from', 'sync_buffers']
@@ -162,6 +164,7 @@ class DDPWrapper(Wrapper):
         self.mode = 'template'
         self._shadowing: Optional[str] = None  # how the current microbatch shadows (None: real)
         self._padding: Any = None
+        self._probe: Optional[ForwardProbe] = None
 
     def state_dict(self) -> dict[str, Any]:
         return {'buffer_source': self._source.rank}
@@ -178,11 +181,14 @@ class DDPWrapper(Wrapper):
             if why is None:
                 self.mode = 'skip'
                 self._stand_in = DDPShadow(ddp, ddp.module, ddp.device)
+                self._probe = ForwardProbe(ddp.module)
             elif forward_communicates(ddp.module):
                 self.mode = 'zero'
             self._loss_shape = self._stand_in.loss_shape if self._stand_in is not None else LossShape()
             self._guard = BufferGuard(ddp.module, keep=lambda m: self.mode == 'zero' and isinstance(
                 m, torch.nn.SyncBatchNorm))
+        if self._probe is not None:
+            self._probe.armed, self._probe.found = True, []
         if self.mode == 'zero':
             from composer_join.fsdp import MicrobatchPadding, train_data_spec  # FSDP's padding, reused
             spec = train_data_spec(state)
@@ -208,6 +214,8 @@ class DDPWrapper(Wrapper):
     def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
         self._sync.before_forward(state.model, plan, self._rank, samples)
         self._end_shadow(state)  # a microbatch that did not finish (e.g. an OOM retry) leaves no stand-in behind
+        if self._probe is not None and self._probe.found and plan.joined_ranks:
+            raise self._communicating_forward(plan)
         if not shadow:
             return False
         if self.mode == 'skip' and self._stand_in.loss_shape.known:
@@ -222,6 +230,17 @@ class DDPWrapper(Wrapper):
             model.loss = lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
             return True  # the forward runs on the zero-sample batch itself
         return False
+
+    def _communicating_forward(self, plan: StepPlan) -> UnevenInputsError:
+        kinds = ', '.join(sorted(set(self._probe.found)))
+        return UnevenInputsError(
+            f'at step {plan.step} rank(s) {plan.joined_ranks} must shadow, but the model\'s forward issues collectives '
+            f'({kinds}, seen in its first forward on every rank). Under DDP a shadow microbatch runs no forward, so '
+            f'they would not be matched. If the forward all-reduces statistics and accepts a zero-sample input that '
+            f'contributes nothing (as torch.nn.SyncBatchNorm does), set shadow_forward = True on that module: shadow '
+            f'microbatches then run the forward on zero samples. A forward that exchanges activations shaped like its '
+            f'batch cannot be shadowed: give every rank the same number of batches.',
+        )
 
     def after_loss(self, state: State, plan: StepPlan) -> None:
         if self._shadowing in (None, 'template'):  # the model's own loss (on the template: a rank with no data yet)

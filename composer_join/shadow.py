@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from composer_join.batches import map_tensors
 
-__all__ = ['DDPShadow', 'LossShape', 'connected_zero_loss', 'forward_communicates', 'skippable']
+__all__ = ['DDPShadow', 'ForwardProbe', 'LossShape', 'connected_zero_loss', 'forward_communicates', 'skippable']
 
 
 def forward_communicates(module: torch.nn.Module) -> bool:
@@ -60,6 +60,55 @@ def skippable(ddp: DistributedDataParallel) -> Optional[str]:
     if any(ddp._build_params_for_reducer()[1]):
         return 'a module produces sparse gradients'
     return None
+
+
+_COLLECTIVES = ('all_reduce', 'all_gather', 'all_gather_into_tensor', 'reduce_scatter', 'reduce_scatter_tensor',
+                'all_to_all', 'all_to_all_single', 'broadcast', 'reduce', 'gather', 'scatter', 'barrier')
+
+
+class ForwardProbe:
+    """Notes the ``torch.distributed`` collectives a module's forward issues, during its first forward only.
+
+    Under DDP a shadow microbatch runs no forward, so a forward that communicates (and is not
+    marked, see :func:`forward_communicates`) would leave the other ranks' collectives unmatched.
+    Every rank runs a forward in its first microbatch of a fit (a real one, or, with no data, the
+    template's), so every rank learns the same :attr:`found`. Cost: two hooks that check a flag;
+    the first forward of each fit wraps the collective functions while it runs.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.armed = False
+        self.found: list[str] = []
+        self._saved: dict[str, Any] = {}
+        module.register_forward_pre_hook(self._start)
+        module.register_forward_hook(self._stop)
+
+    def _start(self, module, _args) -> None:
+        if not self.armed or not module.training:  # a training forward (an evaluation may come first)
+            return
+        import torch.distributed as tdist
+
+        for name in _COLLECTIVES:
+            original = getattr(tdist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                self.found.append(_name)
+                return _original(*args, **kwargs)
+
+            setattr(tdist, name, counted)
+
+    def _stop(self, _module, _args, _output) -> None:
+        if not self.armed or not self._saved:
+            return
+        import torch.distributed as tdist
+
+        for name, original in self._saved.items():
+            setattr(tdist, name, original)
+        self._saved = {}
+        self.armed = False
 
 
 class LossShape:

@@ -6,8 +6,10 @@ that depends on the wrapper around the model:
 * where buffers live: under DDP, on a source rank that broadcasts them before every synced
   forward (:mod:`composer_join.ddp` moves the source off an exhausted rank); under FSDP1/FSDP2,
   on every rank, each its own (:mod:`composer_join.fsdp`);
-* buffers during a shadow forward: snapshot (after DDP's broadcast) and restored after the
-  backward pass, by a :class:`~composer_join.buffers.BufferGuard` on the module each wrapper runs;
+* how a shadow microbatch runs: under DDP normally no model code at all, only DDP's collectives
+  (:mod:`composer_join.shadow`); where a forward must run (FSDP, SyncBatchNorm), its buffers are
+  snapshot (after DDP's broadcast) and restored after the backward pass, by a
+  :class:`~composer_join.buffers.BufferGuard` on the module each wrapper runs;
 * uneven microbatch counts: DDP syncs only each rank's last microbatch
   (:class:`~composer_join.ddp.MicrobatchSync`); FSDP, which all-gathers and reduce-scatters on
   every microbatch, pads every rank to the step's largest count with shadow microbatches

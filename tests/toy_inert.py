@@ -53,11 +53,16 @@ class SumBatchNorm(torch.nn.Module):
         return (x - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
 
 
-def make_sumbn(distributed: bool) -> torch.nn.Module:
+class UnmarkedSumBatchNorm(SumBatchNorm):
+    """The same, without ``shadow_forward``: UnevenJoin cannot know that its forward communicates."""
+
+    shadow_forward = False
+
+
+def make_sumbn(distributed: bool, marked: bool = True) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, 8), SumBatchNorm(8, distributed), torch.nn.Tanh(), torch.nn.Linear(8, CLASSES),
-    )
+    norm = (SumBatchNorm if marked else UnmarkedSumBatchNorm)(8, distributed)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), norm, torch.nn.Tanh(), torch.nn.Linear(8, CLASSES))
 
 
 class Heads(torch.nn.Module):
@@ -103,8 +108,8 @@ class Counting(torch.nn.Module):
 
 
 def make(kind: str, distributed: bool = False) -> torch.nn.Module:
-    if kind == 'sumbn':
-        return make_sumbn(distributed)
+    if kind in ('sumbn', 'sumbn_unmarked'):
+        return make_sumbn(distributed, marked=kind == 'sumbn')
     torch.manual_seed(0)
     if kind in ('syncbn', 'bn'):
         return make_module('bn')

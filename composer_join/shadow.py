@@ -127,31 +127,21 @@ class LossShape:
         self.known = True
 
     def zeros(self, value: torch.Tensor) -> Any:
-        def fill(skeleton):
-            if skeleton is None:
+        def fill(skeleton: Any) -> Any:
+            if skeleton is None:  # where a tensor was
                 return value
             if isinstance(skeleton, dict):
-                return type(skeleton)({k: fill(v) for k, v in skeleton.items()}) if type(skeleton) is dict else \
-                    {k: fill(v) for k, v in skeleton.items()}
-            if isinstance(skeleton, (list, tuple)) and not hasattr(skeleton, '_fields'):
-                return type(skeleton)(fill(v) for v in skeleton)
+                items = {k: fill(v) for k, v in skeleton.items()}
+                try:
+                    return type(skeleton)(items)
+                except TypeError:
+                    return items
+            if isinstance(skeleton, (list, tuple)):
+                items = [fill(v) for v in skeleton]
+                return type(skeleton)(*items) if hasattr(skeleton, '_fields') else type(skeleton)(items)
             return skeleton
+
         return fill(self._skeleton)
-
-
-def connected_zero_loss(shape: LossShape, outputs: Any) -> Any:
-    """A loss of ``shape``'s structure whose value is ``0`` and whose backward reaches every output tensor.
-
-    For a shadow microbatch whose forward must run (DDP with ``SyncBatchNorm``: on zero samples;
-    FSDP: on the template): its backward then runs the backward collectives of the forward's
-    modules (``SyncBatchNorm``'s all-reduce, FSDP's reduce-scatters) like the other ranks', with
-    zero gradients, and the model's own loss, which may not cope with so few samples (top-k
-    mining, contrastive pairs), never runs. ``shape`` unknown: a scalar.
-    """
-    parts: list[torch.Tensor] = []
-    map_tensors(lambda t: parts.append(t.sum()) if t.requires_grad else None, outputs)
-    value = sum(parts) * 0.0 if parts else torch.zeros((), requires_grad=True)
-    return shape.zeros(value) if shape.known else value
 
 
 class _MatchBackward(torch.autograd.Function):
@@ -172,8 +162,8 @@ class DDPShadow:
     """Stands in for one DDP model's forward and its ``ComposerModel.loss`` during shadow microbatches.
 
     :meth:`install` before the forward of a shadow microbatch (``BEFORE_FORWARD``), :meth:`remove`
-    after its backward (``AFTER_BACKWARD``), on the rank that shadows. Real microbatches:
-    :meth:`record_loss` with the model's loss (``AFTER_LOSS``), so the stand-in has its structure.
+    after its backward (``AFTER_BACKWARD``), on the rank that shadows. Record the model's loss of
+    real microbatches in :attr:`loss_shape` (``AFTER_LOSS``), so the stand-in has its structure.
     """
 
     def __init__(self, ddp: DistributedDataParallel, model: torch.nn.Module, device: torch.device):
@@ -195,9 +185,6 @@ class DDPShadow:
             del self.ddp.forward
             del self.model.loss
             self.installed = False
-
-    def record_loss(self, loss: Any) -> None:
-        self.loss_shape.record(loss)
 
     def _forward(self, *args, **kwargs) -> Any:
         """What ``DistributedDataParallel.forward`` communicates, in its order, without the module."""

@@ -42,6 +42,8 @@ def _cases() -> dict[str, dict]:
         sumbn_multi_mb3=dict(model='sumbn', shards=[21, 8], microbatch=3, sync='multi_auto_sync'),
         unused=dict(model='unused', shards=[8, 24], find_unused=True),
         topk=dict(model='mlp', loss='topk', shards=[32, 16]),
+        # a loss dict (Composer all-reduces each key): the stand-in loss has the same keys
+        dict_loss_single_mb3=dict(model='mlp', loss='dict', shards=[21, 8], microbatch=3, sync='single_auto_sync'),
         bn_eval=dict(model='bn', shards=[16, 8], epochs=2, eval_shards=[10, 3]),
         bn_rank0_short_mb3=dict(model='bn', shards=[8, 21], microbatch=3, sync='multi_auto_sync', eval_shards=[3, 10]),
         count=dict(model='count', shards=[16, 8], epochs=2),

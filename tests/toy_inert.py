@@ -12,7 +12,8 @@ per-sample gradient is one a shadow batch must not reach:
 * ``'heads'``: three heads, each sample's chosen by its label (DDP's reducer expects every head to be used);
 * ``'unused'``: torch's ``UnusedParamModule`` pattern: rank 0 runs ``t1(t0(x))``, the others ``t1(x)``;
 * ``'count'``: the MLP with a buffer the forward replaces (``self.count = self.count + 1``);
-* ``'mlp'`` with the ``'topk'`` loss: the mean loss of the 4 hardest samples of each microbatch.
+* ``'mlp'`` with the ``'topk'`` loss: the mean loss of the 4 hardest samples of each microbatch; with the
+  ``'dict'`` loss: a dict of losses.
 """
 
 from __future__ import annotations
@@ -136,6 +137,13 @@ def loss_sum(kind_loss: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     return losses.sum()
 
 
-def loss_mean(kind_loss: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The model's loss, as a ComposerModel returns it (fails on fewer than 4 samples for ``'topk'``)."""
-    return loss_sum(kind_loss, out, y) / len(y)
+def loss_mean(kind_loss: str, out: torch.Tensor, y: torch.Tensor):
+    """The model's loss, as a ComposerModel returns it (fails on fewer than 4 samples for ``'topk'``).
+
+    ``'dict'``: a dict with ``total`` (the mean cross-entropy, which Composer backpropagates) and one
+    more logged entry; Composer all-reduces each key, so a shadow rank must return the same keys.
+    """
+    mean = loss_sum(kind_loss, out, y) / len(y)
+    if kind_loss == 'dict':
+        return {'total': mean, 'hardest': F.cross_entropy(out, y, reduction='none').max()}
+    return mean

@@ -144,6 +144,21 @@ class LossShape:
         return fill(self._skeleton)
 
 
+def connected_zero_loss(shape: LossShape, outputs: Any) -> Any:
+    """A loss of ``shape``'s structure whose value is ``0`` and whose backward reaches every output tensor.
+
+    For a shadow microbatch whose forward must run (DDP with ``SyncBatchNorm``: on zero samples;
+    FSDP: on the template): its backward then runs the backward collectives of the forward's
+    modules (``SyncBatchNorm``'s all-reduce, FSDP's reduce-scatters) like the other ranks', with
+    zero gradients, and the model's own loss, which may not cope with so few samples (top-k
+    mining, contrastive pairs), never runs. ``shape`` unknown: a scalar.
+    """
+    parts: list[torch.Tensor] = []
+    map_tensors(lambda t: parts.append(t.sum()) if t.requires_grad else None, outputs)
+    value = sum(parts) * 0.0 if parts else torch.zeros((), requires_grad=True)
+    return shape.zeros(value) if shape.known else value
+
+
 class _MatchBackward(torch.autograd.Function):
     """Identity on a zero scalar; its backward issues DDP's backward collectives (see :class:`DDPShadow`)."""
 

@@ -24,9 +24,7 @@ to the same parameters on every rank. Three pieces see to that:
   buffers, every rank keeps its own, so a shadow forward must simply leave this rank's untouched.
 * the loss of a shadow microbatch is :func:`~composer_join.shadow.connected_zero_loss` (zero,
   reaching every output, with the structure of the model's loss), not the model's own, which
-  may fail on two samples (top-k mining); the forward still runs, for FSDP's all-gathers. Where
-  the forward itself communicates (``SyncBatchNorm``, see
-  :func:`~composer_join.shadow.forward_communicates`) it runs on the zero-sample batch instead.
+  may fail on two samples (top-k mining); the forward still runs, for FSDP's all-gathers.
 
 :class:`FSDPWrapper` puts them behind the :class:`~composer_join.wrapper.Wrapper` interface.
 """
@@ -45,7 +43,7 @@ from composer_join.batches import first_samples, map_tensors
 from composer_join.buffers import BufferGuard
 from composer_join.errors import UnevenInputsError
 from composer_join.plan import StepPlan
-from composer_join.shadow import LossShape, connected_zero_loss, forward_communicates
+from composer_join.shadow import LossShape, connected_zero_loss
 from composer_join.wrapper import Wrapper
 
 __all__ = ['FSDPWrapper', 'GradientUnits', 'MicrobatchPadding']
@@ -222,7 +220,6 @@ class FSDPWrapper(Wrapper):
         self._units: Optional[GradientUnits] = None
         self._loss_shape = LossShape()
         self._stand_in = False  # the current microbatch's loss is the stand-in
-        self._zero = False  # the forward communicates: shadow microbatches run on zero samples
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
@@ -243,10 +240,7 @@ class FSDPWrapper(Wrapper):
     def _attach(self, state: State) -> None:
         if state.model is not self._model:
             self._model = state.model
-            # a forward that communicates (SyncBatchNorm) runs shadow microbatches on zero samples, and
-            # SyncBatchNorm's running statistics are the global ones: those it keeps
-            self._zero = forward_communicates(state.model)
-            self._guard = BufferGuard(state.model, keep=lambda m: self._zero and isinstance(m, torch.nn.SyncBatchNorm))
+            self._guard = BufferGuard(state.model)
             self._units = GradientUnits(state.model)
 
     def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
@@ -255,11 +249,9 @@ class FSDPWrapper(Wrapper):
             self._stand_in = False
         if shadow:
             self._guard.armed = True
-            # else (no real loss seen yet on this rank) the model's own, on the template
-            if self._loss_shape.known or self._zero:
+            if self._loss_shape.known:  # else (no real loss seen yet on this rank) the model's own, on the template
                 state.model.loss = lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
                 self._stand_in = True
-            return self._zero  # zero: the forward runs on the zero-sample batch itself
         return False
 
     def after_loss(self, state: State, plan: StepPlan) -> None:

@@ -124,21 +124,3 @@ def resume(cfg: dict, folder: str) -> dict[str, Any]:
     resumed = train_inert(cfg, load_path=checkpoint(full_dir, cfg['resume_at']))
     return {'error': full['error'] or resumed['error'], 'state': full['state'], 'resumed': resumed['state']}
 
-
-def train_fsdp_syncbn(cfg: dict) -> dict[str, Any]:
-    """``scenarios_fsdp.train`` (``cfg['wrapper']``) of the BatchNorm toy model converted to torch's SyncBatchNorm."""
-    import scenarios_fsdp
-
-    syncbn_cpu.install()
-    original = scenarios_fsdp.FSDPToyModel
-
-    class SyncBN(original):
-        def __init__(self, kind):
-            super().__init__(kind)
-            self.module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.module)
-
-    scenarios_fsdp.FSDPToyModel = SyncBN
-    try:
-        return scenarios_fsdp.train(cfg)
-    finally:
-        scenarios_fsdp.FSDPToyModel = original

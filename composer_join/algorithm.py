@@ -59,8 +59,9 @@ _EVENTS = _STARTS | frozenset((
     Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_LOSS, Event.AFTER_BACKWARD,
     Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
     Event.EVAL_BATCH_END, Event.EVAL_END, Event.FIT_END,
-))
-_CHECKPOINTS = frozenset((Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT))  # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
+))  # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
+_CHECKPOINTS = frozenset((Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT))
+_EVENTS |= _CHECKPOINTS
 
 
 class UnevenJoin(Algorithm):
@@ -182,7 +183,7 @@ class UnevenJoin(Algorithm):
             self._wrapper.load_state_dict(self._wrapper_state)
 
     def match(self, event: Event, state: State) -> bool:
-        return (event in _EVENTS or event in _CHECKPOINTS) and (self._active or (self._active is None and event in _STARTS))
+        return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event in _STARTS and not self._activate():

@@ -11,17 +11,19 @@ event                     what happens
                           wrapper's part once (:mod:`composer_join.wrapper`: DDP, FSDP1/2 or none)
 ``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
 ``BEFORE_TRAIN_BATCH``    wrapper: new step (DDP: microbatch cursor, buffer source)
-``BEFORE_FORWARD``        wrapper: this microbatch's sync, guard buffers if shadow; shadow (a joined
-                          rank's or an empty padding microbatch): swap in a two-sample template;
-                          real: keep a template
+``BEFORE_FORWARD``        wrapper: this microbatch's sync; shadow (a joined rank's or an empty padding
+                          microbatch): the wrapper makes it inert (DDP: no model code runs), or else
+                          swap in a two-sample template with buffers guarded; real: keep a template
 ``AFTER_FORWARD``         wrapper: automatic microbatching's OOM checks (:mod:`composer_join.oom`)
 ``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked; wrapper check
 ``AFTER_BACKWARD``        wrapper: restore syncing and buffers; shadow: keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back; list states made syncable (:mod:`composer_join.metrics`)
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
                           (rebalance: with bytes moved)
+``*_CHECKPOINT``, ``FIT_END``  wrapper (DDP): buffers equal on every rank before a checkpoint is saved
+                          and at the end of ``fit``
 ``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement);
-                          wrapper: FSDP pads eval microbatches
+                          wrapper: FSDP pads eval microbatches, DDP makes buffers equal on every rank
 ``EVAL_BATCH_START``      automatic microbatching: keep the metric states, for a retry after an OOM
 ``EVAL_BEFORE_FORWARD``   a retry: put the metric states back; shadow: swap in the template; real: keep one
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
@@ -41,6 +43,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from composer_join.batches import first_samples
+from composer_join.buffers import checkpoint_due
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.metrics import MetricStates, shadow_update
@@ -60,16 +63,18 @@ _STARTS = frozenset((Event.FIT_START, Event.EVAL_START))
 _EVENTS = _STARTS | frozenset((
     Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.AFTER_LOSS,
     Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
-    Event.EVAL_BATCH_START, Event.EVAL_BATCH_END, Event.EVAL_END,
+    Event.EVAL_BATCH_START, Event.EVAL_BATCH_END, Event.EVAL_END, Event.FIT_END,
 ))  # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
+_CHECKPOINTS = frozenset((Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT))
+_EVENTS |= _CHECKPOINTS
 
 
 class UnevenJoin(Algorithm):
     """Train data-parallel with a different amount of data on each rank, dropping nothing.
 
     Every rank trains on every batch of its own shard, every epoch. A rank that runs out *joins*:
-    it keeps running Composer's real training step on a shadow batch (two samples whose gradient
-    is multiplied by zero, counted as zero samples), so it takes part in every collective of the
+    it keeps running Composer's real training step on a shadow batch (counted as zero samples,
+    contributing nothing to any rank), so it takes part in every collective of the
     step (DDP's gradient all-reduce or FSDP's all-gathers and reduce-scatters, and all of Composer's
     own) and takes the same optimizer step, until the last rank runs out. Under FSDP, ranks with
     fewer microbatches in a step are padded with shadow microbatches. Then the epoch ends on all
@@ -84,7 +89,9 @@ class UnevenJoin(Algorithm):
     Cost: one collective per fit or evaluation to agree on the epoch length. When every rank's
     dataloader has a ``len()``, no further collective on the steps before the shortest rank's last
     batch, and one small one (``96 * W`` bytes) on each step from there on; without a ``len()`` on
-    some rank, that small one on every step. A shadow step costs a two-sample forward and backward.
+    some rank, that small one on every step. A shadow step is inert (``docs/shadow-steps.md``): under DDP
+    it runs no model code, only DDP's collectives; where the forward communicates (``SyncBatchNorm``) a
+    forward and backward on zero samples; under FSDP on two template samples, with a zero loss.
 
     Example::
 
@@ -212,8 +219,8 @@ class UnevenJoin(Algorithm):
             self._wrapper.start_step(self.plan)
         elif event == Event.BEFORE_FORWARD:
             samples = self._microbatch_start(state)
-            self._wrapper.before_forward(state, self.plan, samples, self._shadow)
-            self._shadow_input(state)
+            if not self._wrapper.before_forward(state, self.plan, samples, self._shadow):
+                self._shadow_input(state)
         elif event == Event.AFTER_FORWARD:
             self._wrapper.after_forward(state, self.plan)
         elif event == Event.AFTER_LOSS:
@@ -242,6 +249,11 @@ class UnevenJoin(Algorithm):
             metrics = state.eval_metrics[state.dataloader_label]
             self._metric_states.probe(state.dataloader_label, metrics, shadow_update(state))
             self._stash_metrics(metrics)
+        elif event == Event.FIT_END:
+            self._wrapper.fit_end(state)
+        elif event in _CHECKPOINTS:
+            if checkpoint_due(state, event):
+                self._wrapper.before_checkpoint(state)
         elif event == Event.EVAL_END:
             if self._loader is not None:
                 self._loader.check_ended_together()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
-__all__ = ['BufferGuard']
+__all__ = ['BufferGuard', 'checkpoint_due']
 
 
 class BufferGuard:
@@ -26,20 +28,46 @@ class BufferGuard:
         [0.0, 0.0, 0.0]
     """
 
-    def __init__(self, module: torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, keep: Callable[[torch.nn.Module], bool] = lambda m: False):
         self.module = module
         self.armed = False
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._keep = keep  # modules whose buffers a shadow forward may update (SyncBatchNorm's: global statistics)
+        self._saved: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
         module.register_forward_pre_hook(self._snapshot)
 
     def _snapshot(self, _module, _args) -> None:
         if self.armed and not self._saved:
-            self._saved = [(b, b.detach().clone()) for b in self.module.buffers()]
+            self._saved = [
+                (owner, name, b, b.detach().clone())
+                for owner in self.module.modules() if not self._keep(owner)
+                for name, b in owner._buffers.items() if b is not None
+            ]
 
     def restore(self) -> None:
-        """Put back the buffers saved at the first forward since arming, and disarm."""
+        """Put back the buffers saved at the first forward since arming, and disarm.
+
+        A buffer the forward replaced (``self.count = self.count + 1``) is put back as the tensor
+        it replaced, with its saved value.
+        """
         with torch.no_grad():
-            for buffer, value in self._saved:
+            for owner, name, buffer, value in self._saved:
                 buffer.copy_(value)
+                if owner._buffers.get(name) is not buffer:
+                    owner._buffers[name] = buffer
         self._saved = []
         self.armed = False
+
+
+def checkpoint_due(state: Any, event: Any) -> bool:
+    """Whether one of the run's ``CheckpointSaver`` callbacks saves a checkpoint at this checkpoint ``event``.
+
+    The same on every rank (a save interval depends on the timestamp only). Asked before the
+    callbacks run, so that buffers can be made equal on every rank before they are saved.
+    """
+    from composer.callbacks import CheckpointSaver
+
+    return any(
+        isinstance(cb, CheckpointSaver) and callable(cb.save_interval) and cb.save_interval(state, event)
+        and cb.last_checkpoint_batch != state.timestamp.batch
+        for cb in state.callbacks
+    )

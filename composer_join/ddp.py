@@ -10,7 +10,15 @@
   broadcast and restores them after the backward pass.
 * :class:`MicrobatchSync`: every rank must issue the same gradient collectives in a step, even
   when ranks split it into different numbers of microbatches.
-* :class:`DDPWrapper`: the three above behind the :class:`~composer_join.wrapper.Wrapper` interface.
+* :func:`sync_buffers`: buffers equal on every rank where they are read (before each evaluation,
+  at the end of ``fit``, before a checkpoint is saved): one broadcast from the buffer source, as
+  torch's join broadcasts the model at the end.
+* a shadow microbatch runs no model code at all (:class:`~composer_join.shadow.DDPShadow`): only
+  DDP's collectives. Where the forward itself communicates (``SyncBatchNorm``), it runs on the
+  zero-sample batch instead, every rank splits the step into the same number of microbatches
+  (:class:`~composer_join.fsdp.MicrobatchPadding`) and the loss is a zero-weighted sum of the
+  outputs (:func:`connected_zero_loss`); the buffers of other modules are guarded.
+* :class:`DDPWrapper`: the above behind the :class:`~composer_join.wrapper.Wrapper` interface.
 """
 
 from __future__ import annotations
@@ -27,9 +35,12 @@ from composer_join.fsdp import MicrobatchPadding, train_data_spec
 from composer_join.gradients import share_grad_presence
 from composer_join.oom import OOMChecks
 from composer_join.plan import StepPlan
+from composer_join.errors import UnevenInputsError
+from composer_join.shadow import DDPShadow, ForwardProbe, LossShape, connected_zero_loss, forward_communicates, \
+    skippable
 from composer_join.wrapper import Wrapper
 
-__all__ = ['BufferSource', 'DDPWrapper', 'MicrobatchSync', 'broadcast_buffers_from']
+__all__ = ['BufferSource', 'DDPWrapper', 'MicrobatchSync', 'broadcast_buffers_from', 'sync_buffers']
 
 
 def broadcast_buffers_from(ddp: DistributedDataParallel, source_rank: Callable[[], int]) -> None:
@@ -39,6 +50,16 @@ def broadcast_buffers_from(ddp: DistributedDataParallel, source_rank: Callable[[
         ddp._default_broadcast_coalesced(bufs=list(named_buffers.values()), authoritative_rank=source_rank())
 
     ddp._register_buffer_comm_hook(None, hook, comm_hook_location=_BufferCommHookLocation.PRE_FORWARD)
+
+
+def sync_buffers(ddp: DistributedDataParallel, source: int) -> None:
+    """Broadcast ``ddp``'s buffers from rank ``source`` (all ranks call it), if DDP broadcasts buffers at all."""
+    if not ddp.broadcast_buffers:
+        return
+    ddp._assign_modules_buffers()  # buffers the forward replaced (self.count = self.count + 1)
+    if len(ddp.modules_buffers) > 0:
+        with torch.no_grad():
+            ddp._default_broadcast_coalesced(authoritative_rank=source)
 
 
 class BufferSource:
@@ -76,13 +97,16 @@ class MicrobatchSync:
     every microbatch, on every rank. Cost: one sample count per microbatch.
     """
 
-    def __init__(self):
+    def __init__(self, padded: Optional[Callable[[], int]] = None):
         self.seen = 0  # samples of this step's microbatches so far
+        self.index = 0  # microbatches of this step so far
         self.suppressed = False  # this microbatch's sync was turned off here
         self.manual = False  # this is the last microbatch and Composer syncs by hand after it
+        self.padded = padded  # every rank runs this many microbatches (padding): Composer's own syncs match
 
     def start_step(self, ddp: Optional[DistributedDataParallel] = None) -> None:
         self.seen = 0
+        self.index = 0
         if self.suppressed and ddp is not None:  # a retry after an OOM (automatic microbatching) left it off
             ddp.require_backward_grad_sync = True
         self.suppressed = self.manual = False
@@ -91,6 +115,10 @@ class MicrobatchSync:
         """Before the forward of a microbatch of ``samples`` samples (inside Composer's sync context)."""
         mine = plan.statuses[rank].samples
         self.seen += samples
+        self.index += 1
+        if self.padded is not None:
+            self.manual = self.index == self.padded() and not ddp.require_backward_grad_sync
+            return
         final = 0 <= mine <= self.seen
         if ddp.require_backward_grad_sync and not final and not plan.even_microbatches:
             ddp.require_backward_grad_sync = False
@@ -128,10 +156,21 @@ def disarm_after_retry(ddp: DistributedDataParallel) -> None:
 
 
 class DDPWrapper(Wrapper):
-    """UnevenJoin's DDP-specific part: buffer broadcast source, buffer guard, per-microbatch gradient sync.
+    """UnevenJoin's DDP-specific part: buffer source and syncs, inert shadow microbatches, per-microbatch gradient sync.
 
     Chosen by :func:`~composer_join.wrapper.wrapper_for` when ``state.model`` is a
     ``DistributedDataParallel``. Hooks are installed once per DDP object, at its first ``FIT_START``.
+    A shadow microbatch runs one of three ways, decided once per DDP object:
+
+    * ``'skip'`` (the default): no model code (:class:`~composer_join.shadow.DDPShadow`). The
+      stand-in loss copies the structure of the model's loss, so a rank that has not computed
+      one yet (it had no data of its own) runs its first shadow microbatch the template way below;
+    * ``'zero'``, where the forward communicates (:func:`~composer_join.shadow.forward_communicates`):
+      the model's forward on the zero-sample batch, a zero loss connected to the outputs,
+      microbatch counts padded to the step's largest;
+    * ``'template'`` (DDP configurations the stand-in does not cover, see
+      :func:`~composer_join.shadow.skippable`): the forward and loss on two template samples,
+      gradient weight zero, buffers guarded.
     """
 
     def __init__(self, rank: int):
@@ -143,6 +182,11 @@ class DDPWrapper(Wrapper):
         self._oom = OOMChecks()
         self._first_microbatch = True
         self._last_step: Optional[int] = None  # timestamp.batch of the last step started
+        self._stand_in: Optional[DDPShadow] = None
+        self.mode = 'template'
+        self._shadowing: Optional[str] = None  # how the current microbatch shadows (None: real)
+        self._padding: Any = None
+        self._probe: Optional[ForwardProbe] = None
 
     def state_dict(self) -> dict[str, Any]:
         return {'buffer_source': self._source.rank}
@@ -151,14 +195,42 @@ class DDPWrapper(Wrapper):
         self._source.rank = int(state.get('buffer_source', 0))
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        if state.model is not self._hooked:
-            broadcast_buffers_from(state.model, lambda: self._source.rank)
-            self._guard = BufferGuard(state.model.module)
-            self._hooked = state.model
+        ddp = state.model
+        if ddp is not self._hooked:
+            broadcast_buffers_from(ddp, lambda: self._source.rank)
+            self._hooked = ddp
+            why = skippable(ddp)
+            if why is None:
+                self.mode = 'skip'
+                self._stand_in = DDPShadow(ddp, ddp.module, ddp.device)
+                self._probe = ForwardProbe(ddp.module)
+            elif forward_communicates(ddp.module):
+                self.mode = 'zero'
+            self._loss_shape = self._stand_in.loss_shape if self._stand_in is not None else LossShape()
+            self._guard = BufferGuard(ddp.module, keep=lambda m: self.mode == 'zero' and isinstance(
+                m, torch.nn.SyncBatchNorm))
+        if self._probe is not None:
+            self._probe.armed, self._probe.found = True, []
         spec = train_data_spec(state)
-        if spec is not None:  # automatic microbatching: count microbatches, for OOMChecks
-            MicrobatchPadding.install(spec, plan, state.device.tensor_to_device, pad=False, checks=self._oom,
-                                      needed=lambda: state.auto_microbatching)
+        if spec is not None:
+            # Forwards that communicate ('zero'): every rank runs the step's largest microbatch count (FSDP's
+            # padding, reused). Otherwise only count microbatches, for automatic microbatching's OOM checks.
+            pad = self.mode == 'zero'
+            MicrobatchPadding.install(spec, plan, state.device.tensor_to_device, pad=pad, checks=self._oom,
+                                      needed=lambda: pad or state.auto_microbatching)
+            if pad:
+                self._padding = spec.split_batch
+                self._sync.padded = lambda: self._padding.last_count
+
+    def fit_end(self, state: State) -> None:
+        sync_buffers(state.model, self._source.rank)
+
+    def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        if isinstance(state.model, DistributedDataParallel):
+            sync_buffers(state.model, self._source.rank)
+
+    def before_checkpoint(self, state: State) -> None:
+        sync_buffers(state.model, self._source.rank)
 
     def start_step(self, plan: StepPlan) -> None:
         self._sync.start_step(self._hooked)
@@ -168,24 +240,60 @@ class DDPWrapper(Wrapper):
             self._guard.restore()
         self._source.update(plan)
 
-    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
+    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
         if self._first_microbatch:
             self._first_microbatch, step = False, int(state.timestamp.batch)
             if step == self._last_step and state.auto_microbatching:  # Composer retries this step
                 disarm_after_retry(state.model)
             self._last_step = step
         self._sync.before_forward(state.model, plan, self._rank, samples)
-        if shadow and self._guard is not None:
+        self._end_shadow(state)  # a microbatch that did not finish (e.g. an OOM retry) leaves no stand-in behind
+        if self._probe is not None and self._probe.found and plan.joined_ranks:
+            raise self._communicating_forward(plan)
+        if not shadow:
+            return False
+        if self.mode == 'skip' and self._stand_in.loss_shape.known:
+            self._shadowing = 'skip'
+            self._stand_in.install()
+            return True
+        self._shadowing = 'zero' if self.mode == 'zero' else 'template'
+        if self._guard is not None:
             self._guard.armed = True
+        if self.mode == 'zero':
+            model = state.model.module
+            model.loss = lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
+            return True  # the forward runs on the zero-sample batch itself
+        return False
+
+    def _communicating_forward(self, plan: StepPlan) -> UnevenInputsError:
+        kinds = ', '.join(sorted(set(self._probe.found)))
+        return UnevenInputsError(
+            f'at step {plan.step} rank(s) {plan.joined_ranks} must shadow, but the model\'s forward issues collectives '
+            f'({kinds}, seen in its first forward on every rank). Under DDP a shadow microbatch runs no forward, so '
+            f'they would not be matched. If the forward all-reduces statistics and accepts a zero-sample input that '
+            f'contributes nothing (as torch.nn.SyncBatchNorm does), set shadow_forward = True on that module: shadow '
+            f'microbatches then run the forward on zero samples. A forward that exchanges activations shaped like its '
+            f'batch cannot be shadowed: give every rank the same number of batches.',
+        )
 
     def after_forward(self, state: State, plan: StepPlan) -> None:
         self._oom.after_forward(state)
 
     def after_loss(self, state: State, plan: StepPlan) -> None:
+        if self._shadowing in (None, 'template'):  # the model's own loss (on the template: a rank with no data yet)
+            self._loss_shape.record(state.loss)
         self._oom.after_loss(state)
 
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
         self._oom.after_backward(state)  # automatic microbatching: before forced_sync's all-reduces
         self._sync.after_backward(state.model, plan, state.optimizers, state.device.tensor_to_device)
-        if shadow and self._guard is not None:
+        self._end_shadow(state)
+
+    def _end_shadow(self, state: State) -> None:
+        if self._shadowing == 'skip':
+            self._stand_in.remove()
+        elif self._shadowing is not None:
+            if self._shadowing == 'zero':
+                state.model.module.__dict__.pop('loss', None)
             self._guard.restore()
+        self._shadowing = None

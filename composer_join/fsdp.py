@@ -22,6 +22,9 @@ to the same parameters on every rank. Three pieces see to that:
   FSDP1 copes with those) or an FSDP2 parameter.
 * a :class:`~composer_join.buffers.BufferGuard` on the whole model: FSDP does not broadcast
   buffers, every rank keeps its own, so a shadow forward must simply leave this rank's untouched.
+* the loss of a shadow microbatch is :func:`~composer_join.shadow.connected_zero_loss` (zero,
+  reaching every output, with the structure of the model's loss), not the model's own, which
+  may fail on two samples (top-k mining); the forward still runs, for FSDP's all-gathers.
 
 :class:`FSDPWrapper` puts them behind the :class:`~composer_join.wrapper.Wrapper` interface.
 """
@@ -41,6 +44,7 @@ from composer_join.buffers import BufferGuard
 from composer_join.errors import UnevenInputsError
 from composer_join.oom import OOMChecks
 from composer_join.plan import StepPlan
+from composer_join.shadow import LossShape, connected_zero_loss
 from composer_join.wrapper import Wrapper
 
 __all__ = ['FSDPWrapper', 'GradientUnits', 'MicrobatchPadding']
@@ -78,6 +82,7 @@ class MicrobatchPadding:
         self.pad = pad  # False (DDP under automatic microbatching): only count, for ``checks``
         self.checks = checks  # told this rank's count and the step's largest (automatic microbatching)
         self.needed = needed  # whether to count at all (pad=False)
+        self.last_count = 0  # microbatches of the last split, padding included
 
     @classmethod
     def install(cls, spec: DataSpec, plan: Callable[[], Optional[StepPlan]],
@@ -93,6 +98,7 @@ class MicrobatchPadding:
 
     def __call__(self, batch: Any, microbatch_size: Any) -> list:
         microbatches = list(self.split(batch, microbatch_size))
+        self.last_count = len(microbatches)
         plan = self.plan()
         if plan is None or not plan.active_ranks or not (self.pad or self.needed()):
             return microbatches
@@ -123,6 +129,7 @@ class MicrobatchPadding:
                 f'its microbatches are not made of tensors that Composer\'s default DataSpec can count; under FSDP '
                 f'with microbatching, batches must be tensors (or tuples, lists, dicts of them).',
             ))
+        self.last_count = len(microbatches) + len(padding)
         return microbatches + padding
 
     def _fail(self, microbatches: list, error: UnevenInputsError) -> list:
@@ -271,6 +278,8 @@ class FSDPWrapper(Wrapper):
         self._units: Optional[GradientUnits] = None
         self._oom = OOMChecks()
         self._failures: list = []  # errors MicrobatchPadding found in this step, raised at its first loss
+        self._loss_shape = LossShape()
+        self._stand_in = False  # the current microbatch's loss is the stand-in
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
@@ -310,9 +319,16 @@ class FSDPWrapper(Wrapper):
         if self._guard is not None and self._guard.armed:  # a retry after an OOM in a shadow microbatch
             self._guard.restore()
 
-    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
+    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
+        if self._stand_in:  # the last microbatch did not reach its loss (e.g. an OOM retry)
+            state.model.__dict__.pop('loss', None)
+            self._stand_in = False
         if shadow:
             self._guard.armed = True
+            if self._loss_shape.known:  # else (no real loss seen yet on this rank) the model's own, on the template
+                state.model.loss = lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
+                self._stand_in = True
+        return False
 
     def after_forward(self, state: State, plan: StepPlan) -> None:
         self._oom.after_forward(state)
@@ -321,6 +337,11 @@ class FSDPWrapper(Wrapper):
         self._oom.after_loss(state)  # automatic microbatching: before the unused-parameter check's all-reduce
         failure = self._failures[0] if self._failures else None
         self._failures.clear()
+        if self._stand_in:
+            del state.model.loss
+            self._stand_in = False
+        else:
+            self._loss_shape.record(state.loss)
         if len(self._units):
             self._units.check(state.loss, plan, state.device.tensor_to_device, failure)
         elif failure is not None:

@@ -6,8 +6,10 @@ that depends on the wrapper around the model:
 * where buffers live: under DDP, on a source rank that broadcasts them before every synced
   forward (:mod:`composer_join.ddp` moves the source off an exhausted rank); under FSDP1/FSDP2,
   on every rank, each its own (:mod:`composer_join.fsdp`);
-* buffers during a shadow forward: snapshot (after DDP's broadcast) and restored after the
-  backward pass, by a :class:`~composer_join.buffers.BufferGuard` on the module each wrapper runs;
+* how a shadow microbatch runs: under DDP normally no model code at all, only DDP's collectives
+  (:mod:`composer_join.shadow`); where a forward must run (FSDP, SyncBatchNorm), its buffers are
+  snapshot (after DDP's broadcast) and restored after the backward pass, by a
+  :class:`~composer_join.buffers.BufferGuard` on the module each wrapper runs;
 * uneven microbatch counts: DDP syncs only each rank's last microbatch
   (:class:`~composer_join.ddp.MicrobatchSync`); FSDP, which all-gathers and reduce-scatters on
   every microbatch, pads every rank to the step's largest count with shadow microbatches
@@ -29,8 +31,12 @@ that depends on the wrapper around the model:
     wrapper.after_forward(state, plan)      # AFTER_FORWARD
     wrapper.after_loss(state, plan)         # AFTER_LOSS, before the backward pass
     wrapper.after_backward(state, plan, shadow)            # AFTER_BACKWARD
+    wrapper.before_checkpoint(state)        # a *_CHECKPOINT event at which a CheckpointSaver saves
+    wrapper.fit_end(state)                  # FIT_END
 
-``shadow`` is True for a microbatch whose input is the two-sample stand-in (weighted zero).
+``shadow`` is True for a shadow microbatch (a joined rank's, or an empty padding one, weighted zero).
+``before_forward`` returns True if it made the shadow microbatch inert itself; otherwise UnevenJoin
+swaps in the two-sample template.
 The base class is the wrapper for a model that is not wrapped (nothing to do).
 """
 
@@ -64,8 +70,8 @@ class Wrapper:
     def start_step(self, plan: StepPlan) -> None:
         pass
 
-    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> None:
-        pass
+    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
+        return False
 
     def after_forward(self, state: State, plan: StepPlan) -> None:
         pass
@@ -74,6 +80,12 @@ class Wrapper:
         pass
 
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
+        pass
+
+    def before_checkpoint(self, state: State) -> None:
+        """Before a checkpoint is saved: make what it holds the same on every rank."""
+
+    def fit_end(self, state: State) -> None:
         pass
 
 

@@ -9,7 +9,8 @@ WHEN is ``step``: rank 1 fails at step 1, while both ranks have data; or ``tail`
 rank 0 has run out and shadows (rank 0 has 2 batches, rank 1 has 6). A dataloader fails while
 fetching batch ``step + 1`` (the loader fetches a step ahead), a callback at the end of the step. The failing rank is rank 1,
 except ``tail`` with ``forward``/``callback``/``sigkill``, where it is the shadowing rank 0 (a
-shadowing rank does not read data, so ``dataloader`` in the tail fails rank 1, the one with data).
+shadowing rank does not read data, so ``dataloader`` in the tail fails rank 1, the one with data;
+nor does it run its model, so ``forward``/``sigkill`` in the tail fail at its ``BEFORE_FORWARD``).
 
 Every rank writes ``OUT/rank{r}.txt`` when it leaves ``fit`` (``ok`` or the exception's type and
 message, and the time), and the failing rank writes ``OUT/failed.txt`` with the time it failed,
@@ -34,7 +35,7 @@ import devices  # noqa: E402
 from rank_scenarios import ShardWithLen, ToyModel  # noqa: E402
 from toy import shard  # noqa: E402
 
-from composer_join import UnevenJoin  # noqa: E402
+from composer_join import UnevenJoin, is_shadow_step  # noqa: E402
 
 DIST_TIMEOUT = 10.0
 SHARDS = [8, 24]  # batches of 4: rank 0 has 2, rank 1 has 6
@@ -77,6 +78,13 @@ class FailAt(Callback):
 
     def fit_start(self, state, logger):
         self.model.state = state
+
+    def before_forward(self, state, logger):
+        # a shadowing rank runs no model code under DDP (docs/shadow-steps.md): it fails here, at the
+        # BEFORE_FORWARD of its shadow step, instead of in its model's forward
+        if self.where in ('forward', 'sigkill') and int(state.timestamp.batch) == self.at_step and \
+                is_shadow_step(state):
+            fail_now(self.out, self.where)
 
     def batch_end(self, state, logger):
         if self.where == 'callback' and int(state.timestamp.batch) == self.at_step + 1:

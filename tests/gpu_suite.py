@@ -34,8 +34,8 @@ EVERY = [
     'test_join_core.py', 'test_sync_strategies.py', 'test_evaluation.py', 'test_collective_cost.py',
     'test_fsdp.py', 'test_rebalance.py', 'test_resumption.py', 'test_bad_input.py', 'test_random_unevenness.py',
     'test_huggingface.py', 'test_failing_rank.py', 'test_auto_microbatching.py', 'test_transfer_dtypes.py',
+    'test_inert_shadow.py', 'test_metrics.py', 'test_rank_differences.py', 'test_rebalance_unsized.py',
 ]
-OPTIONAL = ['test_syncbatchnorm.py', 'test_sync_batchnorm.py', 'test_inert_shadow.py']  # run if present
 NOT_ON_SHARED = {
     'test_fsdp.py': 'FSDP needs reduce-scatter and all-gather on CUDA tensors, which gloo lacks (needs 2+ GPUs, NCCL)',
     'test_failing_rank.py': "Composer's launcher gives each rank cuda:<local rank> (needs one GPU per rank)",
@@ -64,7 +64,7 @@ class Plan:
 def plan(gpus: int, present: list[str] | None = None) -> Plan:
     """The test files and environment for ``gpus`` GPUs; ``present``: the test files that exist."""
     present = present if present is not None else sorted(p.name for p in HERE.glob('test_*.py'))
-    files = [f for f in EVERY + OPTIONAL if f in present]
+    files = [f for f in EVERY if f in present]
     if gpus == 0:
         return Plan(0, 'none', left_out={'everything': devices.too_few_gpus(1, 'make test-gpu', found=0)})
     if gpus >= 2:

@@ -7,8 +7,8 @@ the per-sample loss gradients over those samples, times ``A_t / W`` if ``divide_
 
 BatchNorm: each rank normalises its own batch (no SyncBatchNorm), and DDP broadcasts buffers before
 every step from a source rank: rank 0 until it runs out of data, then the highest rank with data,
-which stays the source while it has data. A rank's buffers after training are the broadcast ones,
-plus its own last batch's update if it had a batch at the last step. ``max_steps`` ends training early (as a
+which stays the source while it has data. After training every rank holds the source's buffers
+(UnevenJoin broadcasts them at the end of ``fit``). ``max_steps`` ends training early (as a
 ``max_duration`` in batches does).
 """
 
@@ -90,7 +90,8 @@ def train(cfg: dict, divide: bool = True) -> dict:
                 break
         if k == cfg.get('max_steps'):
             break
-    final_buffers = [updated[r] if r in final_active else buffers for r in range(world)]
+    # UnevenJoin broadcasts the buffers from the source at the end of fit (as torch's join does)
+    final_buffers = [updated[source] if source in final_active else buffers for _ in range(world)]
     return {
         'params': {n: p.detach().clone() for n, p in module.named_parameters()},
         'buffers': final_buffers,

@@ -1,0 +1,51 @@
+"""A shadow step's CPU time over a real step's, alone (the "shadow / real, CPU" column of ``run.py``'s results).
+
+Runs only UnevenJoin's uneven fits of ``run.py``'s 2-rank setup (or ``--world 3`` / ``4``: that setup),
+and splits their per-step main-thread CPU times by ``composer_join.is_shadow_step`` exactly as
+``run.analyse_uneven`` does (warm-up steps left out, all ranks and repetitions pooled, medians).
+Useful to compare two code trees back to back on a busy machine::
+
+    PYTHONPATH=. .venv/bin/python benchmarks/shadow_cost.py            # this tree
+    PYTHONPATH=/path/to/other .venv/bin/python benchmarks/shadow_cost.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import run  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--world', type=int, default=2, choices=[s.world for s in run.FULL])
+    parser.add_argument('--reps', type=int, default=2)
+    args = parser.parse_args()
+    setup = next(s for s in run.FULL if s.world == args.world)
+    cases = tuple(c for c in setup.cases if c != '1:1')
+    longest = setup.batches * run.BATCH
+    calls = [('warm-up', 'warm_up', {'sizes': [4 * run.BATCH] * setup.world})]
+    for rep in range(args.reps):
+        for case in cases:
+            calls.append((f'{case}|{rep}', *run.method_call('UnevenJoin', run.case_sizes(case, setup.world, longest))))
+    res = run.launch(setup.world, calls, timeout=600, usage={}, progress=lambda name: None)
+    print(f'| ranks | case | shadow steps timed | real step CPU ms | shadow step CPU ms | shadow / real, CPU |')
+    print('|---|---|---|---|---|---|')
+    for case in cases:
+        split: dict[bool, list[float]] = {True: [], False: []}
+        for rep in range(args.reps):
+            for r in res[f'{case}|{rep}']:
+                for i in range(run.WARMUP_STEPS, len(r['shadow'])):
+                    split[r['shadow'][i]].append(r['step_cpu'][i])
+        shadow, real = statistics.median(split[True]), statistics.median(split[False])
+        print(f'| {setup.world} | {case} | {len(split[True])} | {1000 * real:.1f} | {1000 * shadow:.1f} | '
+              f'{shadow / real:.2f} |')
+
+
+if __name__ == '__main__':
+    main()

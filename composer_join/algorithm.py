@@ -34,14 +34,17 @@ import logging
 import warnings
 from typing import Any, Optional
 
+import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
 from composer_join.batches import first_samples
+from composer_join.closures import agree_on_closures
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.plan import StepPlan
+from composer_join.predict import PREDICT_EVENTS, empty_outputs
 from composer_join.rebalance import RebalancingLoader
 from composer_join.report import EpochReport
 from composer_join.resume import own_sample_counts, restore, snapshot, train_position
@@ -51,12 +54,12 @@ __all__ = ['UnevenJoin', 'is_shadow_step']
 
 log = logging.getLogger(__name__)
 
-_STARTS = frozenset((Event.FIT_START, Event.EVAL_START))
+_STARTS = frozenset((Event.FIT_START, Event.EVAL_START, Event.PREDICT_START))
 _EVENTS = _STARTS | frozenset((
     Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_LOSS, Event.AFTER_BACKWARD,
     Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
     Event.EVAL_BATCH_END, Event.EVAL_END,
-))  # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
+)) | PREDICT_EVENTS | frozenset((Event.AFTER_DATALOADER, Event.BEFORE_BACKWARD))  # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
 
 
 class UnevenJoin(Algorithm):
@@ -148,6 +151,9 @@ class UnevenJoin(Algorithm):
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
         self._resumed_report: Optional[EpochReport] = None  # the checkpoint's partial epoch, until FIT_START
         self._wrapper_state: dict[str, Any] = {}  # the checkpoint's wrapper state, until the wrapper exists
+        self._state: Optional[State] = None  # set at every start: composer_join.passes asks about microbatches
+        self._held: Optional[tuple[Any, list]] = None  # a shadow step's AFTER_DATALOADER: its batch and buffers
+        self.pass_seen = False  # set by composer_join.passes.join_pass when the Engine runs it
 
     def __repr__(self) -> str:
         return self._repr
@@ -176,11 +182,21 @@ class UnevenJoin(Algorithm):
             self._wrapper.load_state_dict(self._wrapper_state)
 
     def match(self, event: Event, state: State) -> bool:
-        return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
+        if event not in _EVENTS or not (self._active or (self._active is None and event in _STARTS)):
+            return False
+        return event != Event.AFTER_DATALOADER or self.is_shadow_step  # a stand-in for the others' sake
+
+    def shadows_microbatch(self, event: Event) -> bool:
+        """Whether the current microbatch is a stand-in; for :func:`composer_join.passes.join_pass`, at its events."""
+        if event in (Event.BEFORE_FORWARD, Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD):
+            self._microbatch_start(self._state)  # the pass runs before apply() decides it
+        return self._shadow
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
-        if event in _STARTS and not self._activate():
-            return
+        if event in _STARTS:
+            if not self._activate():
+                return
+            self._state = state
         if self._wrapper is None:  # chosen once, at the first FIT_START or EVAL_START
             self._wrapper = wrapper_for(state, self._rank)
             self._wrapper.load_state_dict(self._wrapper_state)
@@ -194,11 +210,14 @@ class UnevenJoin(Algorithm):
             samples = self._microbatch_start(state)
             self._wrapper.before_forward(state, self.plan, samples, self._shadow)
             self._shadow_input(state)
+        elif event == Event.AFTER_DATALOADER:
+            self._stand_in_for_others(state)
         elif event == Event.AFTER_LOSS:
+            self._wrapper.after_loss(state, self.plan)
+        elif event == Event.BEFORE_BACKWARD:  # last (composer_join.passes): after any algorithm rewrote the loss
             factor = 0.0 if self._shadow else self.plan.grad_factor(self.divide_by_initial_world_size)
             if factor != 1.0:
                 state.loss = scale_grad(state.loss, factor)
-            self._wrapper.after_loss(state, self.plan)
         elif event == Event.AFTER_BACKWARD:
             self._after_backward(state)
         elif event in (Event.AFTER_TRAIN_BATCH, Event.EVAL_BATCH_END):
@@ -207,12 +226,16 @@ class UnevenJoin(Algorithm):
             self._epoch_end(logger)
         elif event == Event.EVAL_START:
             self._eval_start(state)
-        elif event == Event.EVAL_BEFORE_FORWARD:
+        elif event in (Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD):
             self._microbatch_start(state)
             self._shadow_input(state)
+        elif event == Event.PREDICT_AFTER_FORWARD and self._shadow:
+            empty_outputs(state)
         elif event == Event.EVAL_AFTER_FORWARD and self._shadow:
             self._stash_metrics(state.eval_metrics[state.dataloader_label])
-        elif event == Event.EVAL_END:
+        elif event == Event.PREDICT_START:
+            self._predict_start(state)
+        elif event in (Event.EVAL_END, Event.PREDICT_END):
             if self._loader is not None:
                 self._loader.check_ended_together()
             self._loader = self._train_loader
@@ -241,6 +264,13 @@ class UnevenJoin(Algorithm):
         # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader.
         own_sample_counts(state._dataset_of(state.train_dataloader), loader.own_samples)
         self._wrapper.fit_start(state, lambda: self.plan)
+        if not self.pass_seen:
+            raise RuntimeError(
+                'UnevenJoin needs its algorithm pass (composer_join.passes.join_pass), which `import composer_join` '
+                'registers for every Trainer created afterwards; this Trainer was created without it: pass '
+                'algorithm_passes=composer_join.passes.join_pass to the Trainer',
+            )
+        agree_on_closures(state.optimizers, lambda: self.is_shadow_step)
 
     def _eval_start(self, state: State) -> None:
         label = state.dataloader_label
@@ -255,6 +285,15 @@ class UnevenJoin(Algorithm):
             microbatch_size=evaluator.device_eval_microbatch_size if evaluator is not None else None,
         )
         self._loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
+        self._wrapper.eval_start(state, lambda: self.plan)
+
+    def _predict_start(self, state: State) -> None:
+        """``Trainer.predict()``: every rank predicts its whole shard; ranks that run out shadow (no outputs)."""
+        if pads_by_repeating(state.dataloader):
+            self._loader = None  # torch's DistributedSampler: evened out by repeats, Composer's business
+            return
+        self._templates.pop(state.dataloader_label, None)  # each predict() may bring other data
+        self._loader = join_dataloader(state, microbatch_size=-1)
         self._wrapper.eval_start(state, lambda: self.plan)
 
     # -- per microbatch ----------------------------------------------------------------------------
@@ -281,6 +320,25 @@ class UnevenJoin(Algorithm):
         if label not in self._templates:  # never had data of its own: the template other ranks sent
             self._templates[label] = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
         state.batch = first_samples(self._templates[label], TEMPLATE_SAMPLES)
+
+    def _stand_in_for_others(self, state: State) -> None:
+        """A shadow step's ``AFTER_DATALOADER``, run first and last (:mod:`composer_join.passes`).
+
+        First: the zero-sample batch is put aside and the two-sample stand-in takes its place, so the
+        other algorithms (SelectiveBackprop's extra forward: a collective under FSDP, a buffer broadcast
+        under DDP) run as on every rank. Last: the zero-sample batch comes back (Composer counts and
+        splits it), with the module buffers as they were.
+        """
+        if self._held is None:
+            self._held = (state.batch, [(b, b.detach().clone()) for b in state.model.buffers()])
+            self._shadow = True
+            self._shadow_input(state)
+        else:
+            state.batch, buffers = self._held
+            self._held = None
+            with torch.no_grad():
+                for buffer, value in buffers:
+                    buffer.copy_(value)
 
     def _after_backward(self, state: State) -> None:
         self._wrapper.after_backward(state, self.plan, self._shadow)

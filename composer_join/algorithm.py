@@ -46,6 +46,7 @@ from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, 
 from composer_join.plan import StepPlan
 from composer_join.predict import PREDICT_EVENTS, empty_outputs
 from composer_join.rebalance import RebalancingLoader
+from composer_join.replan import replan
 from composer_join.report import EpochReport
 from composer_join.resume import own_sample_counts, restore, snapshot, train_position
 from composer_join.wrapper import Wrapper, wrapper_for
@@ -182,9 +183,7 @@ class UnevenJoin(Algorithm):
             self._wrapper.load_state_dict(self._wrapper_state)
 
     def match(self, event: Event, state: State) -> bool:
-        if event not in _EVENTS or not (self._active or (self._active is None and event in _STARTS)):
-            return False
-        return event != Event.AFTER_DATALOADER or self.is_shadow_step  # a stand-in for the others' sake
+        return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
 
     def shadows_microbatch(self, event: Event) -> bool:
         """Whether the current microbatch is a stand-in; for :func:`composer_join.passes.join_pass`, at its events."""
@@ -210,8 +209,10 @@ class UnevenJoin(Algorithm):
             samples = self._microbatch_start(state)
             self._wrapper.before_forward(state, self.plan, samples, self._shadow)
             self._shadow_input(state)
-        elif event == Event.AFTER_DATALOADER:
-            self._stand_in_for_others(state)
+        elif event == Event.AFTER_DATALOADER:  # only when other algorithms run at it (composer_join.passes)
+            if not (self.is_shadow_step and self._stand_in_for_others(state)):
+                samples, microbatches = self._loader.describe(state.batch)
+                self._loader.plan = replan(self.plan, samples, microbatches, state.device.tensor_to_device)
         elif event == Event.AFTER_LOSS:
             self._wrapper.after_loss(state, self.plan)
         elif event == Event.BEFORE_BACKWARD:  # last (composer_join.passes): after any algorithm rewrote the loss
@@ -321,8 +322,8 @@ class UnevenJoin(Algorithm):
             self._templates[label] = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
         state.batch = first_samples(self._templates[label], TEMPLATE_SAMPLES)
 
-    def _stand_in_for_others(self, state: State) -> None:
-        """A shadow step's ``AFTER_DATALOADER``, run first and last (:mod:`composer_join.passes`).
+    def _stand_in_for_others(self, state: State) -> bool:
+        """A shadow step's ``AFTER_DATALOADER``, run first (returns True) and last (False; :mod:`composer_join.passes`).
 
         First: the zero-sample batch is put aside and the two-sample stand-in takes its place, so the
         other algorithms (SelectiveBackprop's extra forward: a collective under FSDP, a buffer broadcast
@@ -333,12 +334,14 @@ class UnevenJoin(Algorithm):
             self._held = (state.batch, [(b, b.detach().clone()) for b in state.model.buffers()])
             self._shadow = True
             self._shadow_input(state)
+            return True
         else:
             state.batch, buffers = self._held
             self._held = None
             with torch.no_grad():
                 for buffer, value in buffers:
                     buffer.copy_(value)
+            return False
 
     def _after_backward(self, state: State) -> None:
         self._wrapper.after_backward(state, self.plan, self._shadow)

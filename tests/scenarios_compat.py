@@ -84,8 +84,8 @@ VISION = {  # Composer's settings where they fit a 16x16 conv net (Factorize and
 }
 
 NLP = {
-    'SeqLengthWarmup': lambda: algos.SeqLengthWarmup(duration=0.5, min_seq_length=4, max_seq_length=16,
-                                                     step_size=4, truncate=True),
+    'SeqLengthWarmup': lambda: algos.SeqLengthWarmup(duration=1.0, min_seq_length=4, max_seq_length=16,
+                                                     step_size=12, truncate=True),
     'Alibi': lambda: algos.Alibi(max_sequence_length=32),
     'GatedLinearUnits': lambda: algos.GatedLinearUnits(),
     'LowPrecisionLayerNorm': lambda: algos.LowPrecisionLayerNorm(),

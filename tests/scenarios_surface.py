@@ -51,3 +51,80 @@ def predict(cfg: dict) -> dict[str, Any]:
         'seen': recorder.seen,
         'predict_sample': int(ts.sample), 'predict_batch': int(ts.batch),
     }
+
+
+def _callback(name: str, folder: str):
+    from composer import callbacks as cbs
+    return {
+        'SpeedMonitor': lambda: cbs.SpeedMonitor(window_size=3),
+        'LRMonitor': lambda: cbs.LRMonitor(),
+        'OptimizerMonitor': lambda: cbs.OptimizerMonitor(batch_log_interval=1),
+        'MemoryMonitor': lambda: cbs.MemoryMonitor(),
+        'RuntimeEstimator': lambda: cbs.RuntimeEstimator(skip_batches=1),
+        'CheckpointSaver': lambda: cbs.CheckpointSaver(folder=folder, filename='ba{batch}-rank{rank}.pt',
+                                                       save_interval='3ba', num_checkpoints_to_keep=-1),
+        'EarlyStopper': lambda: cbs.EarlyStopper(monitor='MeanLoss', dataloader_label='eval', patience='2ba',
+                                                 min_delta=10.0),
+        'ThresholdStopper': lambda: cbs.ThresholdStopper(monitor='MulticlassAccuracy', dataloader_label='eval',
+                                                         threshold=0.0, comp=torch.greater_equal),
+    }[name]()
+
+
+class Steps(Callback):
+    """Per step: shadow or not; and how many evaluations ran."""
+
+    def __init__(self):
+        self.shadow: list[bool] = []
+        self.evals = 0
+        self.eval_batches: list[int] = []
+
+    def batch_end(self, state, logger):
+        self.shadow.append(is_shadow_step(state))
+
+    def eval_start(self, state, logger):
+        self.evals += 1
+        self.eval_batches.append(int(state.timestamp.batch))
+
+
+def surface_train(cfg: dict) -> dict[str, Any]:
+    """A toy ``fit`` (shards ``cfg['shards']``, batch 8) with Composer callbacks ``cfg['callbacks']`` and
+    Trainer options ``cfg['trainer']``; ``cfg['fits']``: the ``fit()`` calls' keyword arguments."""
+    import tempfile
+    from pathlib import Path
+
+    from composer.loggers import InMemoryLogger
+
+    from rank_scenarios import make_evaluator, make_loader
+
+    rank = dist.get_global_rank()
+    folder = tempfile.mkdtemp(prefix='cj-ckpt-') if rank == 0 else ''
+    folder = dist.all_gather_object(folder)[0]  # one folder (ranks share the machine)
+    model = ToyModel('mlp')
+    memory, steps = InMemoryLogger(), Steps()
+    callbacks = [_callback(name, folder) for name in cfg.get('callbacks', [])]
+    data = dict(shards=cfg['shards'], batch_size=8, fmt=cfg.get('fmt', 'tuple'))
+    trainer = quiet_trainer(
+        model=model, train_dataloader=make_loader(data, rank),
+        eval_dataloader=make_evaluator(cfg, rank), eval_interval=cfg.get('eval_interval', 1),
+        max_duration=cfg.get('max_duration', '2ep'),
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        algorithms=[UnevenJoin()], callbacks=[steps, *callbacks], loggers=[memory], **cfg.get('trainer', {}),
+    )
+    try:
+        for kwargs in cfg.get('fits', [{}]):
+            trainer.fit(**kwargs)
+    finally:
+        trainer.close()
+    ts = trainer.state.timestamp
+    speed = next((c for c in callbacks if type(c).__name__ == 'SpeedMonitor'), None)
+    return {
+        'batch': int(ts.batch), 'sample': int(ts.sample), 'token': int(ts.token), 'epoch': int(ts.epoch),
+        'shadow': steps.shadow, 'evals': steps.evals, 'eval_batches': steps.eval_batches,
+        'logged': {k: [float(v) if not isinstance(v, torch.Tensor) else float(v.float().mean()) for _, v in vals]
+                   for k, vals in memory.data.items()
+                   if k.startswith(('lr-', 'l2_norm/grad/global', 'throughput/samples_per_sec', 'time/remaining_estimate',
+                                    'metrics/eval/'))},
+        'speed_samples': list(speed.history_samples) if speed is not None else [],
+        'checkpoints': sorted(p.name for p in Path(folder).glob('*.pt')) if rank == 0 else [],
+        'params': torch.cat([p.detach().flatten() for p in model.parameters()]),
+    }

@@ -10,11 +10,16 @@ event                     what happens
                           over a :class:`~composer_join.rebalance.RebalancingLoader`), pick the
                           wrapper's part once (:mod:`composer_join.wrapper`: DDP, FSDP1/2 or none)
 ``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
+``AFTER_DATALOADER``      only where other algorithms run at it: shadow step: the template for them,
+                          then the zero-sample batch back; every step: re-gather the ranks' counts
+                          (:mod:`composer_join.replan`)
 ``BEFORE_TRAIN_BATCH``    wrapper: new step (DDP: microbatch cursor, buffer source)
 ``BEFORE_FORWARD``        wrapper: this microbatch's sync, guard buffers if shadow; shadow (a joined
                           rank's or an empty padding microbatch): swap in a two-sample template;
                           real: keep a template
-``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked; wrapper check
+``AFTER_LOSS``            wrapper check
+``BEFORE_BACKWARD``       weight the gradient: ``0`` for shadow, ``A_t / W`` if asked (last, after
+                          any algorithm rewrote the loss)
 ``AFTER_BACKWARD``        wrapper: restore syncing and buffers; shadow: keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
@@ -25,7 +30,14 @@ event                     what happens
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
 ``EVAL_BATCH_END``        put the eval metrics back
 ``EVAL_END``              stop every rank if some rank could not form a batch; back to the train plan
+``PREDICT_*``             as evaluation (:mod:`composer_join.predict`); a shadow batch's outputs are
+                          cut to zero samples
 ========================  ======================================================================
+
+Where it runs among the other algorithms, per event, is set by :mod:`composer_join.passes`
+(other algorithms never see a shadow microbatch). At ``FIT_START`` it also makes optimizers
+that branch on the closure's loss (SAM) take the same branch on a joined rank
+(:mod:`composer_join.closures`).
 """
 
 from __future__ import annotations
@@ -60,7 +72,8 @@ _EVENTS = _STARTS | frozenset((
     Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_LOSS, Event.AFTER_BACKWARD,
     Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
     Event.EVAL_BATCH_END, Event.EVAL_END,
-)) | PREDICT_EVENTS | frozenset((Event.AFTER_DATALOADER, Event.BEFORE_BACKWARD))  # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
+)) | PREDICT_EVENTS | frozenset((Event.AFTER_DATALOADER, Event.BEFORE_BACKWARD))
+# sets: Composer's Event compares by a Python __eq__, and match() runs for every event
 
 
 class UnevenJoin(Algorithm):

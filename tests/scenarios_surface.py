@@ -128,3 +128,72 @@ def surface_train(cfg: dict) -> dict[str, Any]:
         'checkpoints': sorted(p.name for p in Path(folder).glob('*.pt')) if rank == 0 else [],
         'params': torch.cat([p.detach().flatten() for p in model.parameters()]),
     }
+
+
+def word_tokenizer():
+    """A 32-word whole-word tokenizer made on the spot (no download), the tiny GPT-2's vocabulary."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {'[PAD]': 0, '[UNK]': 1, '[EOS]': 2, **{f'w{i}': i for i in range(3, 32)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token='[UNK]'))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token='[PAD]', unk_token='[UNK]', eos_token='[EOS]')
+
+
+class GenerateRuns(Callback):
+    """The steps at whose end Composer's ``Generate`` callback ran (it sets ``last_generate_batch``)."""
+
+    def __init__(self, generate):
+        self.generate, self.steps = generate, []
+
+    def batch_end(self, state, logger):  # runs after Generate's (callbacks run in list order)
+        last = getattr(self.generate, 'last_generate_batch', None)
+        if last is not None and (not self.steps or self.steps[-1] != int(last)):
+            self.steps.append(int(last))
+
+
+def hf_generate(cfg: dict) -> dict[str, Any]:
+    """The tiny GPT-2 on shards ``cfg['shards']`` (batch 4, 2 epochs) with ``Generate`` every 2 batches."""
+    from composer.callbacks import Generate
+    from composer.models import HuggingFaceModel
+
+    from reference_hf import collate, make_gpt2, train_shard
+    from scenarios_hf import Sequences
+
+    rank = dist.get_global_rank()
+    model = HuggingFaceModel(make_gpt2(), tokenizer=word_tokenizer(), use_logits=True)
+    generate = Generate(prompts=['w3 w4 w5', 'w6'], interval='2ba', batch_size=2, max_new_tokens=3, do_sample=False)
+    runs, steps = GenerateRuns(generate), Steps()
+    trainer = quiet_trainer(
+        model=model,
+        train_dataloader=DataLoader(Sequences(train_shard(rank, cfg['shards'][rank])), batch_size=4, collate_fn=collate),
+        max_duration='2ep', optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        algorithms=[UnevenJoin()], callbacks=[generate, runs, steps],
+    )
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return {'generated_at': runs.steps, 'shadow': steps.shadow, 'sample': int(trainer.state.timestamp.sample)}
+
+
+def without_join_pass(cfg: dict) -> str:
+    """A Trainer whose Engine lost UnevenJoin's pass: ``fit`` must stop every rank at FIT_START, naming the fix."""
+    from composer_join.passes import join_pass
+    from rank_scenarios import make_loader
+
+    rank = dist.get_global_rank()
+    model = ToyModel('mlp')
+    trainer = quiet_trainer(model=model, train_dataloader=make_loader(dict(shards=cfg['shards'], batch_size=8), rank),
+                            max_duration='1ep', algorithms=[UnevenJoin()])
+    trainer.engine.algorithm_passes.remove(join_pass)
+    try:
+        trainer.fit()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        trainer.close()
+    return 'no error'

@@ -43,6 +43,8 @@ CUMULATIVE = [16, 26, 34, 50, 60, 68]  # real samples after each step (24/10, ba
 def runs() -> dict:
     calls = [(n, 'scenarios_surface:predict', {'cfg': c}) for n, c in PREDICT.items()]
     calls += [(n, 'scenarios_surface:surface_train', {'cfg': c}) for n, c in TRAIN.items()]
+    calls += [('generate', 'scenarios_surface:hf_generate', {'cfg': dict(shards=[12, 5])}),
+              ('without_pass', 'scenarios_surface:without_join_pass', {'cfg': dict(shards=[24, 10])})]
     return launch(2, calls, timeout=420)
 
 
@@ -124,3 +126,15 @@ def test_second_fit_without_spinning(runs):
     assert [(r['batch'], r['sample'], r['epoch']) for r in ranks] == [(6, 68, 2)] * 2
     assert ranks[1]['shadow'] == [False, False, True] * 2
     assert (ranks[0]['params'] - ranks[1]['params']).abs().max() == 0
+
+
+def test_generate_runs_on_every_rank_at_the_same_steps(runs):
+    ranks = ok(runs, 'generate')  # tiny GPT-2, shards 12/5, batch 4: rank 1 shadows steps 3 and 6
+    assert ranks[1]['shadow'] == [False, False, True] * 2
+    assert [r['generated_at'] for r in ranks] == [[2, 4, 6]] * 2  # every 2 batches, shadow steps included
+    assert [r['sample'] for r in ranks] == [34, 34]
+
+
+def test_a_trainer_without_the_join_pass_stops_every_rank_at_fit_start(runs):
+    for message in runs['without_pass']:
+        assert isinstance(message, str) and 'algorithm_passes=composer_join.passes.join_pass' in message

@@ -154,9 +154,11 @@ class GenerateRuns(Callback):
         if last is not None and (not self.steps or self.steps[-1] != int(last)):
             self.steps.append(int(last))
 
+    fit_end = batch_end  # Generate's interval also fires at the end of training
+
 
 def hf_generate(cfg: dict) -> dict[str, Any]:
-    """The tiny GPT-2 on shards ``cfg['shards']`` (batch 4, 2 epochs) with ``Generate`` every 2 batches."""
+    """The tiny GPT-2 on shards ``cfg['shards']`` (batch 4, 2 epochs) with ``Generate`` every 3 batches."""
     from composer.callbacks import Generate
     from composer.models import HuggingFaceModel
 
@@ -165,7 +167,7 @@ def hf_generate(cfg: dict) -> dict[str, Any]:
 
     rank = dist.get_global_rank()
     model = HuggingFaceModel(make_gpt2(), tokenizer=word_tokenizer(), use_logits=True)
-    generate = Generate(prompts=['w3 w4 w5', 'w6'], interval='2ba', batch_size=2, max_new_tokens=3, do_sample=False)
+    generate = Generate(prompts=['w3 w4 w5', 'w6'], interval='3ba', batch_size=2, max_new_tokens=3, do_sample=False)
     runs, steps = GenerateRuns(generate), Steps()
     trainer = quiet_trainer(
         model=model,

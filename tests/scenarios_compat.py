@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from composer_join import UnevenJoin
 from rank_scenarios import quiet_trainer
+from scenarios_fsdp import cpu_fsdp_workarounds, parallelism
 
 CLASSES, SIDE = 2, 16
 
@@ -125,8 +126,11 @@ class Sentences(IterableDataset):
 
 def algorithm_train(cfg: dict) -> dict[str, Any]:
     """One ``fit`` with ``cfg['algorithm']`` and UnevenJoin listed before it (``join='first'``), after it
-    (``'after'``) or not at all (``None``); shards ``cfg['shards']``, batch 4."""
+    (``'after'``) or not at all (``None``); shards ``cfg['shards']``, batch 4; optionally microbatches
+    (``microbatch``, ``sync``) and FSDP (``wrapper``: ``'fsdp2'``)."""
     rank = dist.get_global_rank()
+    if cfg.get('wrapper'):
+        cpu_fsdp_workarounds()
     name = cfg['algorithm']
     nlp = name in NLP
     read: list[int] = []
@@ -141,7 +145,8 @@ def algorithm_train(cfg: dict) -> dict[str, Any]:
         max_duration=f"{cfg['epochs']}ep",
         optimizers=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         algorithms=listed,
-        device_train_microbatch_size=cfg.get('microbatch'),
+        device_train_microbatch_size=cfg.get('microbatch'), ddp_sync_strategy=cfg.get('sync'),
+        parallelism_config=parallelism(cfg.get('wrapper'), cfg),
     )
     try:
         trainer.fit()
@@ -149,8 +154,13 @@ def algorithm_train(cfg: dict) -> dict[str, Any]:
         trainer.close()
     ts = trainer.state.timestamp
     return {
-        'params': torch.cat([p.detach().flatten().cpu() for p in trainer.state.model.parameters()]),
+        'params': torch.cat([_full(p).detach().flatten().cpu() for p in trainer.state.model.parameters()]),
         'sample': int(ts.sample), 'batch': int(ts.batch),
         'read': read,
         'real_samples': [list(r.real_samples) for r in join.reports] if cfg['join'] else [],
     }
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """The whole parameter (FSDP2 shards it as a DTensor: an all-gather, on every rank in the same order)."""
+    return p.full_tensor() if hasattr(p, 'full_tensor') else p

@@ -31,6 +31,17 @@ REPLICA_TOL = 1e-6  # SAM: each rank adds and subtracts its own perturbation, so
 STOCK_TOL = 1e-6
 
 
+# batch-reshaping algorithms with microbatches (the counts change after the plan), and under FSDP2
+# (SelectiveBackprop's extra forward all-gathers: the shadow rank must run it too)
+MORE = {
+    'Alibi/microbatch_multi_auto_sync': dict(algorithm='Alibi', microbatch=3, sync='multi_auto_sync'),
+    'SelectiveBackprop/microbatch_multi_auto_sync': dict(algorithm='SelectiveBackprop', microbatch=1,
+                                                         sync='multi_auto_sync'),
+    'SelectiveBackprop/fsdp2': dict(algorithm='SelectiveBackprop', wrapper='fsdp2'),
+    'MixUp_interpolate_loss/fsdp2': dict(algorithm='MixUp_interpolate_loss', wrapper='fsdp2'),
+}
+
+
 @pytest.fixture(scope='module')
 def runs() -> dict:
     calls = []
@@ -39,12 +50,14 @@ def runs() -> dict:
         if name in AGAINST_STOCK:
             calls.append((f'{name}/even', 'scenarios_compat:algorithm_train', {'cfg': dict(EVEN, algorithm=name, join='first')}))
             calls.append((f'{name}/stock', 'scenarios_compat:algorithm_train', {'cfg': dict(EVEN, algorithm=name, join=None)}))
+    for name, extra in MORE.items():
+        calls.append((name, 'scenarios_compat:algorithm_train', {'cfg': dict(UNEVEN, join='after', **extra)}))
     return launch(2, calls, timeout=480)
 
 
-@pytest.mark.parametrize('name', ALGORITHMS)
+@pytest.mark.parametrize('name', [f'{n}/uneven' for n in ALGORITHMS] + list(MORE))
 def test_uneven_shards_train_every_sample_once_and_replicas_agree(runs, name):
-    ranks = ok(runs, f'{name}/uneven')
+    ranks = ok(runs, name)
     shards, epochs = UNEVEN['shards'], UNEVEN['epochs']
     for rank, res in enumerate(ranks):
         assert res['read'] == list(range(shards[rank])) * epochs, f'rank {rank} did not read its shard once per epoch'

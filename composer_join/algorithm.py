@@ -97,6 +97,8 @@ class UnevenJoin(Algorithm):
     dataloader has a ``len()``, no further collective on the steps before the shortest rank's last
     batch, and one small one (``72 * W`` bytes) on each step from there on; without a ``len()`` on
     some rank, that small one on every step. A shadow step costs a two-sample forward and backward.
+    A step where another algorithm runs at ``AFTER_DATALOADER`` (it may reshape the batch) costs one
+    all-gather of two integers per rank more (:mod:`composer_join.replan`).
 
     Example::
 

@@ -87,7 +87,8 @@ class UnevenJoin(Algorithm):
     fewer microbatches in a step are padded with shadow microbatches. Then the epoch ends on all
     ranks at the same step. Evaluation works the same way: every rank evaluates every batch of its
     shard, shadow batches stay out of the metrics, so metrics equal those of one process
-    evaluating all the data.
+    evaluating all the data. ``Trainer.predict()`` too: every rank predicts its whole shard, and a
+    shadow batch's outputs hold zero samples (:mod:`composer_join.predict`).
 
     At step ``t``, with ``A_t`` of ``W`` ranks holding real data and ``S_t`` real samples in all,
     the gradient applied is the mean of the per-sample loss gradients over the ``S_t`` samples,

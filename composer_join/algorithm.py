@@ -339,7 +339,7 @@ class UnevenJoin(Algorithm):
         state.batch = first_samples(self._templates[label], TEMPLATE_SAMPLES)
 
     def _stand_in_for_others(self, state: State) -> bool:
-        """A shadow step's ``AFTER_DATALOADER``, run first (returns True) and last (False; :mod:`composer_join.passes`).
+        """A shadow step's ``AFTER_DATALOADER``: run first (returns True) and last (False), see :mod:`.passes`.
 
         First: the zero-sample batch is put aside and the two-sample stand-in takes its place, so the
         other algorithms (SelectiveBackprop's extra forward: a collective under FSDP, a buffer broadcast

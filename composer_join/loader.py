@@ -125,7 +125,7 @@ class JoinLoader:
         return steps_planned_from_lengths(self.lengths, self.length)
 
     def __getattr__(self, name: str) -> Any:
-        """Other attributes are the wrapped dataloader's (``batch_size``, ``dataset``: algorithms such as SeqLengthWarmup read them)."""
+        """Other attributes are the wrapped dataloader's (``batch_size``, ``dataset``: SeqLengthWarmup reads them)."""
         dataloader = self.__dict__.get('dataloader')
         if dataloader is None or name.startswith('__'):
             raise AttributeError(name)

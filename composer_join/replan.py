@@ -24,7 +24,9 @@ from composer_join.plan import StepPlan
 __all__ = ['replan']
 
 
-def replan(plan: StepPlan, samples: int, microbatches: int, to_device: Callable[[torch.Tensor], torch.Tensor]) -> StepPlan:
+def replan(
+    plan: StepPlan, samples: int, microbatches: int, to_device: Callable[[torch.Tensor], torch.Tensor],
+) -> StepPlan:
     """``plan`` with every rank's (samples, microbatches) as the ranks' batches now are; this rank's are given."""
     mine = to_device(torch.tensor([samples, microbatches], dtype=torch.int64))
     gathered = dist.all_gather(mine)

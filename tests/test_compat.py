@@ -3,13 +3,14 @@
 Two ranks, one launch. For every algorithm:
 
 * uneven shards (12 and 6 samples, batch 4, 2 epochs: a partial batch, a shadow step per epoch),
-  the algorithm listed *before* UnevenJoin (as a YAML would list it): the run finishes, every rank reads its whole shard every epoch,
-  Composer counts every sample once (and the report agrees), the replicas end identical;
+  the algorithm listed *before* UnevenJoin (as a YAML would list it): the run finishes, every rank
+  reads its whole shard every epoch, Composer counts every sample once (and the report agrees),
+  the replicas end identical;
 * even shards (8 and 8, 1 epoch), UnevenJoin listed *first*: the weights equal stock Composer's
   (no UnevenJoin) with the same seed, for the algorithms that act on every batch or loss.
 
-On main, MixUp, CutMix, SelectiveBackprop, SAM and Alibi (its sequence-length scaling) crash or
-abort on the uneven shards (NOTES / issue 17).
+Before issue 17, MixUp, CutMix, SelectiveBackprop, SAM and Alibi (its sequence-length scaling)
+crashed or aborted on uneven shards, and SeqLengthWarmup could not read the dataloader's batch size.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ EVEN = dict(shards=[8, 8], epochs=1)
 ALGORITHMS = [*VISION, *NLP]
 # where UnevenJoin's place among the algorithms or its weighting could change the numbers (the
 # others only operate on the model once, at INIT, or on whole epochs: suite time)
-AGAINST_STOCK = ['MixUp_interpolate_loss', 'CutMix', 'SelectiveBackprop', 'SAM', 'LabelSmoothing', 'ProgressiveResizing',
-                 'Alibi', 'SeqLengthWarmup']
+AGAINST_STOCK = ['MixUp_interpolate_loss', 'CutMix', 'SelectiveBackprop', 'SAM', 'LabelSmoothing',
+                 'ProgressiveResizing', 'Alibi', 'SeqLengthWarmup']
 REPLICA_TOL = 1e-6  # SAM: each rank adds and subtracts its own perturbation, so rounding differs (stock too)
 STOCK_TOL = 1e-6
+TRAIN = 'scenarios_compat:algorithm_train'
 
 
 # batch-reshaping algorithms with microbatches (the counts change after the plan), and under FSDP2
@@ -46,12 +48,12 @@ MORE = {
 def runs() -> dict:
     calls = []
     for name in ALGORITHMS:
-        calls.append((f'{name}/uneven', 'scenarios_compat:algorithm_train', {'cfg': dict(UNEVEN, algorithm=name, join='after')}))
+        calls.append((f'{name}/uneven', TRAIN, {'cfg': dict(UNEVEN, algorithm=name, join='after')}))
         if name in AGAINST_STOCK:
-            calls.append((f'{name}/even', 'scenarios_compat:algorithm_train', {'cfg': dict(EVEN, algorithm=name, join='first')}))
-            calls.append((f'{name}/stock', 'scenarios_compat:algorithm_train', {'cfg': dict(EVEN, algorithm=name, join=None)}))
+            calls.append((f'{name}/even', TRAIN, {'cfg': dict(EVEN, algorithm=name, join='first')}))
+            calls.append((f'{name}/stock', TRAIN, {'cfg': dict(EVEN, algorithm=name, join=None)}))
     for name, extra in MORE.items():
-        calls.append((name, 'scenarios_compat:algorithm_train', {'cfg': dict(UNEVEN, join='after', **extra)}))
+        calls.append((name, TRAIN, {'cfg': dict(UNEVEN, join='after', **extra)}))
     return launch(2, calls, timeout=480)
 
 

@@ -58,6 +58,7 @@ from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, 
 from composer_join.plan import StepPlan
 from composer_join.predict import PREDICT_EVENTS, empty_outputs
 from composer_join.rebalance import RebalancingLoader
+from composer_join.refusals import refuse_incompatible
 from composer_join.replan import replan
 from composer_join.report import EpochReport
 from composer_join.resume import own_sample_counts, restore, snapshot, train_position
@@ -287,6 +288,7 @@ class UnevenJoin(Algorithm):
                 'registers for every Trainer created afterwards; this Trainer was created without it: pass '
                 'algorithm_passes=composer_join.passes.join_pass to the Trainer',
             )
+        refuse_incompatible(state.algorithms, TEMPLATE_SAMPLES)
         agree_on_closures(state.optimizers, lambda: self.is_shadow_step)
 
     def _eval_start(self, state: State) -> None:

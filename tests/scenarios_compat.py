@@ -17,7 +17,7 @@ from composer.models import ComposerModel, HuggingFaceModel
 from composer.utils import dist
 from torch.utils.data import DataLoader, IterableDataset
 
-from composer_join import UnevenJoin
+from composer_join import UnevenInputsError, UnevenJoin
 from rank_scenarios import quiet_trainer
 from scenarios_fsdp import cpu_fsdp_workarounds, parallelism
 
@@ -81,6 +81,7 @@ VISION = {  # Composer's settings where they fit a 16x16 conv net (Factorize and
     'CutOut': lambda: algos.CutOut(num_holes=1, length=0.5),
     'Factorize': lambda: algos.Factorize(min_channels=8, latent_channels=4, min_features=8, latent_features=4),
     'GhostBatchNorm': lambda: algos.GhostBatchNorm(ghost_batch_size=2),
+    'GhostBatchNorm_4': lambda: algos.GhostBatchNorm(ghost_batch_size=4),  # refused: the stand-in has 2 samples
     'WeightStandardization': lambda: algos.WeightStandardization(),
 }
 
@@ -150,6 +151,10 @@ def algorithm_train(cfg: dict) -> dict[str, Any]:
     )
     try:
         trainer.fit()
+    except UnevenInputsError as e:
+        if not cfg.get('expect_error'):
+            raise
+        return {'error': str(e)}
     finally:
         trainer.close()
     ts = trainer.state.timestamp

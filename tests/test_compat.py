@@ -23,7 +23,8 @@ from test_join_core import ok
 
 UNEVEN = dict(shards=[12, 6], epochs=2)  # batch 4: GhostBatchNorm (ghost batch 2) refuses a 1-sample batch, stock too
 EVEN = dict(shards=[8, 8], epochs=1)
-ALGORITHMS = [*VISION, *NLP]
+REFUSED = ['GhostBatchNorm_4']  # stop every rank at FIT_START (composer_join.refusals)
+ALGORITHMS = [n for n in [*VISION, *NLP] if n not in REFUSED]
 # where UnevenJoin's place among the algorithms or its weighting could change the numbers (the
 # others only operate on the model once, at INIT, or on whole epochs: suite time)
 AGAINST_STOCK = ['MixUp_interpolate_loss', 'CutMix', 'SelectiveBackprop', 'SAM', 'LabelSmoothing',
@@ -52,6 +53,8 @@ def runs() -> dict:
         if name in AGAINST_STOCK:
             calls.append((f'{name}/even', TRAIN, {'cfg': dict(EVEN, algorithm=name, join='first')}))
             calls.append((f'{name}/stock', TRAIN, {'cfg': dict(EVEN, algorithm=name, join=None)}))
+    for name in REFUSED:
+        calls.append((f'{name}/refused', TRAIN, {'cfg': dict(UNEVEN, algorithm=name, join='after', expect_error=True)}))
     for name, extra in MORE.items():
         calls.append((name, TRAIN, {'cfg': dict(UNEVEN, join='after', **extra)}))
     return launch(2, calls, timeout=480)
@@ -75,3 +78,9 @@ def test_even_shards_match_stock_composer(runs, name):
     for rank in range(2):
         assert joined[rank]['sample'] == stock[rank]['sample'] == sum(EVEN['shards'])
         assert (joined[rank]['params'] - stock[rank]['params']).abs().max() <= STOCK_TOL
+
+
+def test_an_algorithm_that_cannot_shadow_stops_every_rank_at_fit_start(runs):
+    for res in ok(runs, 'GhostBatchNorm_4/refused'):
+        assert 'GhostBatchNorm(ghost_batch_size=4) cannot run beside UnevenJoin' in res['error']
+        assert 'ghost_batch_size <= 2' in res['error']

@@ -10,12 +10,17 @@ event                     what happens
                           over a :class:`~composer_join.rebalance.RebalancingLoader`), pick the
                           wrapper's part once (:mod:`composer_join.wrapper`: DDP, FSDP1/2 or none)
 ``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
+``AFTER_DATALOADER``      only where other algorithms run at it: shadow step: the template for them,
+                          then the zero-sample batch back; every step: re-gather the ranks' counts
+                          (:mod:`composer_join.replan`)
 ``BEFORE_TRAIN_BATCH``    wrapper: new step (DDP: microbatch cursor, buffer source)
 ``BEFORE_FORWARD``        wrapper: this microbatch's sync; shadow (a joined rank's or an empty padding
                           microbatch): the wrapper makes it inert (DDP: no model code runs), or else
                           swap in a two-sample template with buffers guarded; real: keep a template
 ``AFTER_FORWARD``         wrapper: automatic microbatching's OOM checks (:mod:`composer_join.oom`)
-``AFTER_LOSS``            weight the gradient: ``0`` for shadow, ``A_t / W`` if asked; wrapper check
+``AFTER_LOSS``            wrapper check
+``BEFORE_BACKWARD``       weight the gradient: ``0`` for shadow, ``A_t / W`` if asked (last, after
+                          any algorithm rewrote the loss)
 ``AFTER_BACKWARD``        wrapper: restore syncing and buffers; shadow: keep train metrics out
 ``AFTER_TRAIN_BATCH``     put train metrics back; list states made syncable (:mod:`composer_join.metrics`)
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
@@ -29,7 +34,14 @@ event                     what happens
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
 ``EVAL_BATCH_END``        put the eval metrics back; list states made syncable (:mod:`composer_join.metrics`)
 ``EVAL_END``              stop every rank if some rank could not form a batch; back to the train plan
+``PREDICT_*``             as evaluation (:mod:`composer_join.predict`); a shadow batch's outputs are
+                          cut to zero samples
 ========================  ======================================================================
+
+Where it runs among the other algorithms, per event, is set by :mod:`composer_join.passes`
+(other algorithms never see a shadow microbatch). At ``FIT_START`` it also makes optimizers
+that branch on the closure's loss (SAM) take the same branch on a joined rank
+(:mod:`composer_join.closures`).
 """
 
 from __future__ import annotations
@@ -38,18 +50,23 @@ import logging
 import warnings
 from typing import Any, Optional
 
+import torch
 from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
 from composer_join.batches import first_samples
 from composer_join.buffers import checkpoint_due
+from composer_join.closures import agree_on_closures
 from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.metrics import MetricStates, shadow_update
 from composer_join.oom import EvalRetry
 from composer_join.plan import StepPlan, agree_on_length
+from composer_join.predict import PREDICT_EVENTS, empty_outputs
 from composer_join.rebalance import RebalancingLoader
+from composer_join.refusals import refuse_incompatible
+from composer_join.replan import replan
 from composer_join.report import EpochReport
 from composer_join.settings import row as settings_row
 from composer_join.resume import RankDatasets, own_sample_counts, restore, resume_counts, snapshot, train_position
@@ -59,12 +76,13 @@ __all__ = ['UnevenJoin', 'is_shadow_step']
 
 log = logging.getLogger(__name__)
 
-_STARTS = frozenset((Event.FIT_START, Event.EVAL_START))
+_STARTS = frozenset((Event.FIT_START, Event.EVAL_START, Event.PREDICT_START))
 _EVENTS = _STARTS | frozenset((
     Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.AFTER_LOSS,
     Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
     Event.EVAL_BATCH_START, Event.EVAL_BATCH_END, Event.EVAL_END, Event.FIT_END,
-))  # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
+)) | PREDICT_EVENTS | frozenset((Event.AFTER_DATALOADER, Event.BEFORE_BACKWARD))
+# sets: Composer's Event compares by a Python __eq__, and match() runs for every event
 _CHECKPOINTS = frozenset((Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT))
 _EVENTS |= _CHECKPOINTS
 
@@ -80,7 +98,8 @@ class UnevenJoin(Algorithm):
     fewer microbatches in a step are padded with shadow microbatches. Then the epoch ends on all
     ranks at the same step. Evaluation works the same way: every rank evaluates every batch of its
     shard, shadow batches stay out of the metrics, so metrics equal those of one process
-    evaluating all the data.
+    evaluating all the data. ``Trainer.predict()`` too: every rank predicts its whole shard, and a
+    shadow batch's outputs hold zero samples (:mod:`composer_join.predict`).
 
     At step ``t``, with ``A_t`` of ``W`` ranks holding real data and ``S_t`` real samples in all,
     the gradient applied is the mean of the per-sample loss gradients over the ``S_t`` samples,
@@ -92,6 +111,8 @@ class UnevenJoin(Algorithm):
     some rank, that small one on every step. A shadow step is inert (``docs/shadow-steps.md``): under DDP
     it runs no model code, only DDP's collectives; where the forward communicates (``SyncBatchNorm``) a
     forward and backward on zero samples; under FSDP on two template samples, with a zero loss.
+    A step where another algorithm runs at ``AFTER_DATALOADER`` (it may reshape the batch) costs one
+    all-gather of two integers per rank more (:mod:`composer_join.replan`).
 
     Example::
 
@@ -168,6 +189,9 @@ class UnevenJoin(Algorithm):
         self._eval_retry = EvalRetry()  # automatic eval microbatching: undo a retried batch's metric updates
         self._rank_datasets: Optional[RankDatasets] = None  # a train dataset that resumes itself, per rank
         self._resumed_ranks: Optional[list] = None  # the checkpoint's per-rank dataset states, until FIT_START
+        self._state: Optional[State] = None  # set at every start: composer_join.passes asks about microbatches
+        self._held: Optional[tuple[Any, list]] = None  # a shadow step's AFTER_DATALOADER: its batch and buffers
+        self.pass_seen = False  # set by composer_join.passes.join_pass when the Engine runs it
 
     def __repr__(self) -> str:
         return self._repr
@@ -204,9 +228,17 @@ class UnevenJoin(Algorithm):
     def match(self, event: Event, state: State) -> bool:
         return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
 
+    def shadows_microbatch(self, event: Event) -> bool:
+        """Whether the current microbatch is a stand-in; for :func:`composer_join.passes.join_pass`, at its events."""
+        if event in (Event.BEFORE_FORWARD, Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD):
+            self._microbatch_start(self._state)  # the pass runs before apply() decides it
+        return self._shadow
+
     def apply(self, event: Event, state: State, logger: Logger) -> None:
-        if event in _STARTS and not self._activate(state):
-            return
+        if event in _STARTS:
+            if not self._activate(state):
+                return
+            self._state = state
         if self._wrapper is None:  # chosen once, at the first FIT_START or EVAL_START
             self._wrapper = wrapper_for(state, self._rank)
             self._wrapper.load_state_dict(self._wrapper_state)
@@ -223,11 +255,16 @@ class UnevenJoin(Algorithm):
                 self._shadow_input(state)
         elif event == Event.AFTER_FORWARD:
             self._wrapper.after_forward(state, self.plan)
+        elif event == Event.AFTER_DATALOADER:  # only when other algorithms run at it (composer_join.passes)
+            if not (self.is_shadow_step and self._stand_in_for_others(state)):
+                samples, microbatches = self._loader.describe(state.batch)
+                self._loader.plan = replan(self.plan, samples, microbatches, state.device.tensor_to_device)
         elif event == Event.AFTER_LOSS:
+            self._wrapper.after_loss(state, self.plan)
+        elif event == Event.BEFORE_BACKWARD:  # last (composer_join.passes): after any algorithm rewrote the loss
             factor = 0.0 if self._shadow else self.plan.grad_factor(self.divide_by_initial_world_size)
             if factor != 1.0:
                 state.loss = scale_grad(state.loss, factor)
-            self._wrapper.after_loss(state, self.plan)
         elif event == Event.AFTER_BACKWARD:
             self._after_backward(state)
         elif event in (Event.AFTER_TRAIN_BATCH, Event.EVAL_BATCH_END):
@@ -241,10 +278,13 @@ class UnevenJoin(Algorithm):
             self._eval_start(state)
         elif event == Event.EVAL_BATCH_START:
             self._eval_retry.batch_start(state)
-        elif event == Event.EVAL_BEFORE_FORWARD:
-            self._eval_retry.before_forward(state)
+        elif event in (Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD):
+            if event == Event.EVAL_BEFORE_FORWARD:
+                self._eval_retry.before_forward(state)
             self._microbatch_start(state)
             self._shadow_input(state)
+        elif event == Event.PREDICT_AFTER_FORWARD and self._shadow:
+            empty_outputs(state)
         elif event == Event.EVAL_AFTER_FORWARD and self._shadow:
             metrics = state.eval_metrics[state.dataloader_label]
             self._metric_states.probe(state.dataloader_label, metrics, shadow_update(state))
@@ -254,7 +294,9 @@ class UnevenJoin(Algorithm):
         elif event in _CHECKPOINTS:
             if checkpoint_due(state, event):
                 self._wrapper.before_checkpoint(state)
-        elif event == Event.EVAL_END:
+        elif event == Event.PREDICT_START:
+            self._predict_start(state)
+        elif event in (Event.EVAL_END, Event.PREDICT_END):
             if self._loader is not None:
                 self._loader.check_ended_together()
             self._loader = self._train_loader
@@ -297,6 +339,14 @@ class UnevenJoin(Algorithm):
                               mid_epoch=int(state.timestamp.sample_in_epoch) > 0)
             self._resumed_ranks = None
         self._wrapper.fit_start(state, lambda: self.plan)
+        if not self.pass_seen:
+            raise RuntimeError(
+                'UnevenJoin needs its algorithm pass (composer_join.passes.join_pass), which `import composer_join` '
+                'registers for every Trainer created afterwards; this Trainer was created without it: pass '
+                'algorithm_passes=composer_join.passes.join_pass to the Trainer',
+            )
+        refuse_incompatible(state.algorithms, TEMPLATE_SAMPLES)
+        agree_on_closures(state.optimizers, lambda: self.is_shadow_step)
 
     def _eval_start(self, state: State) -> None:
         label = state.dataloader_label
@@ -312,6 +362,15 @@ class UnevenJoin(Algorithm):
             settings=self._settings,
         )
         self._loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
+        self._wrapper.eval_start(state, lambda: self.plan)
+
+    def _predict_start(self, state: State) -> None:
+        """``Trainer.predict()``: every rank predicts its whole shard; ranks that run out shadow (no outputs)."""
+        if pads_by_repeating(state.dataloader):
+            self._loader = None  # torch's DistributedSampler: evened out by repeats, Composer's business
+            return
+        self._templates.pop(state.dataloader_label, None)  # each predict() may bring other data
+        self._loader = join_dataloader(state, microbatch_size=-1)
         self._wrapper.eval_start(state, lambda: self.plan)
 
     # -- per microbatch ----------------------------------------------------------------------------
@@ -338,6 +397,27 @@ class UnevenJoin(Algorithm):
         if label not in self._templates:  # never had data of its own: the template other ranks sent
             self._templates[label] = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
         state.batch = first_samples(self._templates[label], TEMPLATE_SAMPLES)
+
+    def _stand_in_for_others(self, state: State) -> bool:
+        """A shadow step's ``AFTER_DATALOADER``: run first (returns True) and last (False), see :mod:`.passes`.
+
+        First: the zero-sample batch is put aside and the two-sample stand-in takes its place, so the
+        other algorithms (SelectiveBackprop's extra forward: a collective under FSDP, a buffer broadcast
+        under DDP) run as on every rank. Last: the zero-sample batch comes back (Composer counts and
+        splits it), with the module buffers as they were.
+        """
+        if self._held is None:
+            self._held = (state.batch, [(b, b.detach().clone()) for b in state.model.buffers()])
+            self._shadow = True
+            self._shadow_input(state)
+            return True
+        else:
+            state.batch, buffers = self._held
+            self._held = None
+            with torch.no_grad():
+                for buffer, value in buffers:
+                    buffer.copy_(value)
+            return False
 
     def _after_backward(self, state: State) -> None:
         self._wrapper.after_backward(state, self.plan, self._shadow)

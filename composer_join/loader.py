@@ -152,6 +152,13 @@ class JoinLoader:
         """Leading steps of every epoch planned from the lengths alone, with no collective."""
         return steps_planned_from_lengths(self.lengths, self.length)
 
+    def __getattr__(self, name: str) -> Any:
+        """Other attributes are the wrapped dataloader's (``batch_size``, ``dataset``: SeqLengthWarmup reads them)."""
+        dataloader = self.__dict__.get('dataloader')
+        if dataloader is None or name.startswith('__'):
+            raise AttributeError(name)
+        return getattr(dataloader, name)
+
     def __len__(self) -> int:
         if self.length is None:
             raise TypeError('some rank\'s train dataloader has no len(), so the epoch length is unknown')

@@ -6,7 +6,7 @@
 VENV ?= .venv
 PYTHON ?= python3
 PIP := $(VENV)/bin/pip --disable-pip-version-check
-ALL_EXTRAS := test,examples,bench,llmfoundry,docs,lint
+ALL_EXTRAS := test,examples,bench,llmfoundry,docs,lint,package
 
 .PHONY: demo test lint format docs bench fuzz llmfoundry test-gpu bench-gpu wheel clean
 
@@ -40,7 +40,7 @@ llmfoundry: $(VENV)/.installed-llmfoundry   # the llm-foundry example (docs/inte
 	$(VENV)/bin/composer -n 2 examples/llmfoundry/train.py examples/llmfoundry/uneven_mpt.yaml \
 		variables.data_dir=/tmp/uneven-mpt
 
-wheel: $(VENV)/.installed-lint   # wheel and sdist into dist/, checked by twine; CI installs the wheel alone
+wheel: $(VENV)/.installed-package   # wheel and sdist into dist/, checked by twine; CI installs the wheel alone
 	rm -rf dist
 	$(VENV)/bin/python -m build --outdir dist .
 	$(VENV)/bin/twine check --strict dist/*

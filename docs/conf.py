@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the worktree's composer_join, also without an install
 
-import composer_join  # noqa: E402
+import composer_join
 
 project = 'composer-join'
 author = 'composer-join authors'

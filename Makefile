@@ -21,9 +21,9 @@ lint: $(VENV)/.installed-lint   # what CI runs: ruff (lint and format check) and
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-format: $(VENV)/.installed-lint
-	$(VENV)/bin/ruff format .
+format: $(VENV)/.installed-lint   # fixes first: they can change what the formatter sees
 	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 docs: $(VENV)/.installed-docs   # the site, into docs/_build/html (warnings are errors, as in CI)
 	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html

@@ -8,8 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the worktree's composer_join, also without an install
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's composer_join, also without an install
 
 import composer_join
 

@@ -8,7 +8,7 @@ PYTHON ?= python3
 PIP := $(VENV)/bin/pip --disable-pip-version-check
 ALL_EXTRAS := test,examples,bench,llmfoundry,docs,lint,package
 
-.PHONY: demo test lint format docs bench fuzz llmfoundry test-gpu bench-gpu wheel clean
+.PHONY: demo test lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
 
 demo: $(VENV)/.installed-core
 	$(VENV)/bin/composer -n 2 examples/demo.py
@@ -39,6 +39,9 @@ llmfoundry: $(VENV)/.installed-llmfoundry   # the llm-foundry example (docs/inte
 	$(VENV)/bin/python examples/llmfoundry/prepare.py /tmp/uneven-mpt
 	$(VENV)/bin/composer -n 2 examples/llmfoundry/train.py examples/llmfoundry/uneven_mpt.yaml \
 		variables.data_dir=/tmp/uneven-mpt
+
+test-llmfoundry: $(VENV)/.installed-test $(VENV)/.installed-llmfoundry   # its test alone (make test runs it too)
+	$(VENV)/bin/pytest tests/test_llmfoundry.py
 
 wheel: $(VENV)/.installed-package   # wheel and sdist into dist/, checked by twine; CI installs the wheel alone
 	rm -rf dist

@@ -1,37 +1,78 @@
-# Everything runs in a local virtual environment that the first target creates (about 2 minutes:
-# Composer pins torch <2.7.1, so pip brings torch 2.7.0 from PyPI).
+# Everything runs in a local virtual environment (.venv) that the first target creates. Each target installs
+# only what it needs, once, and records it in a stamp file ($(VENV)/.installed-<what>):
+#   make demo    the package alone (Composer, torch): about 2 min the first time (torch 2.7.0 and its CUDA
+#                libraries come from PyPI: Composer pins torch <2.7.1)
+#   make test    every extra (tests, examples, benchmarks, llm-foundry, docs, lint): about 10 min the first time
 VENV ?= .venv
 PYTHON ?= python3
-STAMP := $(VENV)/.installed
+PIP := $(VENV)/bin/pip --disable-pip-version-check
+ALL_EXTRAS := test,examples,bench,llmfoundry,docs,lint,package
 
-.PHONY: demo test bench fuzz test-gpu bench-gpu clean
+.PHONY: demo test lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
 
-demo: $(STAMP)
+demo: $(VENV)/.installed-core
 	$(VENV)/bin/composer -n 2 examples/demo.py
 
-test: $(STAMP)
+test: $(VENV)/.installed-all
 	$(VENV)/bin/pytest
 
-bench: $(STAMP)
+lint: $(VENV)/.installed-lint   # what CI runs: ruff (lint and format check) and mypy
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: $(VENV)/.installed-lint   # fixes first: they can change what the formatter sees
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+docs: $(VENV)/.installed-docs   # the site, into docs/_build/html (warnings are errors, as in CI)
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	@echo "open docs/_build/html/index.html"
+
+bench: $(VENV)/.installed-bench
 	$(VENV)/bin/python benchmarks/run.py
 
-fuzz: $(STAMP)   # hypothesis: hundreds of random uneven runs against the reference (~10 min on 2 cores)
+fuzz: $(VENV)/.installed-test   # hypothesis: hundreds of random uneven runs against the reference (~10 min on 2 cores)
 	COMPOSER_JOIN_FUZZ=1 $(VENV)/bin/pytest tests/test_random_unevenness.py
+
+llmfoundry: $(VENV)/.installed-llmfoundry   # the llm-foundry example (docs/integrations.md): a tiny MPT, offline
+	$(VENV)/bin/python examples/llmfoundry/prepare.py /tmp/uneven-mpt
+	$(VENV)/bin/composer -n 2 examples/llmfoundry/train.py examples/llmfoundry/uneven_mpt.yaml \
+		variables.data_dir=/tmp/uneven-mpt
+
+test-llmfoundry: $(VENV)/.installed-test $(VENV)/.installed-llmfoundry   # its test alone (make test runs it too)
+	$(VENV)/bin/pytest tests/test_llmfoundry.py
+
+wheel: $(VENV)/.installed-package   # wheel and sdist into dist/, checked by twine; CI installs the wheel alone
+	rm -rf dist
+	$(VENV)/bin/python -m build --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
 
 # On GPUs (not run in CI): tests/gpu_suite.py picks the tests (one GPU per rank with NCCL; on one GPU,
 # all ranks share it over gloo) and prints a one-line summary; see docs/gpu.md.
-
-test-gpu: $(STAMP)
+test-gpu: $(VENV)/.installed-test
 	$(VENV)/bin/python tests/gpu_suite.py test
 
-bench-gpu: $(STAMP)
+bench-gpu: $(VENV)/.installed-test $(VENV)/.installed-bench
 	$(VENV)/bin/python tests/gpu_suite.py bench
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e '.[test,examples,bench,llmfoundry]'
-	touch $(STAMP)
+
+# One stamp per set of extras; installing everything also satisfies every other target.
+$(VENV)/.installed-core: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-all: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet -e '.[$(ALL_EXTRAS)]'
+	touch $(VENV)/.installed-core $(foreach extra,$(subst $(comma), ,$(ALL_EXTRAS)),$(VENV)/.installed-$(extra)) $@
+
+$(VENV)/.installed-%: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet -e '.[$*]'
+	touch $(VENV)/.installed-core $@
+
+comma := ,
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache docs/_build dist build

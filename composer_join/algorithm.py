@@ -451,7 +451,7 @@ class UnevenJoin(Algorithm):
         if isinstance(self._train_loader.dataloader, RebalancingLoader):
             self._train_loader.dataloader.complete(report)
         self.reports.append(report)
-        logger.log_metrics(report.metrics())
+        logger.log_metrics(report.metrics())  # type: ignore[arg-type]  # ints are floats to a logger
         if self._rank == 0:
             log.info('UnevenJoin %s', report.summary())
 

@@ -35,7 +35,7 @@ def _is_sample_list(x: Any) -> bool:
 def _rebuild(container: Any, items: Any) -> Any:
     if isinstance(container, Mapping):
         try:
-            return type(container)(items)
+            return type(container)(items)  # type: ignore[call-arg]  # a Mapping subclass built from items
         except TypeError:  # a mapping type that cannot be built from a dict
             return dict(items)
     if isinstance(container, tuple) and hasattr(container, '_fields'):  # namedtuple
@@ -84,5 +84,5 @@ def sample_lists(batch: Any) -> bool:
     Composer's default ``split_batch`` cannot split an empty list, so such a batch has no shadow.
     """
     found = []
-    map_tensors(lambda t: t, batch, lists=lambda items: found.append(1) or items)
+    map_tensors(lambda t: t, batch, lists=lambda items: found.append(1) or items)  # type: ignore[func-returns-value]
     return bool(found)

@@ -370,7 +370,7 @@ def join_dataloader(
     if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer
         dataloader = dataloader.dataloader
     if isinstance(dataloader, RebalancingLoader):
-        dataloader, current = dataloader.dataloader, dataloader.counts[dataloader.rank]
+        dataloader, current = dataloader.dataloader, dataloader.counts[dataloader.rank]  # type: ignore[attr-defined]
     own_len = len_or_none(dataloader)
     if rebalance and own_len is not None and current is not None:
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
@@ -446,6 +446,6 @@ def pads_by_repeating(dataloader: Any) -> bool:
     """True if ``dataloader`` shards with a ``DistributedSampler`` that repeats samples to even out the shards."""
     sampler = _distributed_sampler(dataloader)
     try:
-        return sampler is not None and sampler.total_size > len(sampler.dataset)
+        return sampler is not None and sampler.total_size > len(sampler.dataset)  # type: ignore[arg-type]
     except TypeError:  # a dataset without len()
         return False

@@ -53,7 +53,7 @@ class RankStatus:
     @classmethod
     def from_row(cls, row: list[int]) -> 'RankStatus':
         """The inverse of :meth:`row` (field types are strings here: ``from __future__ import annotations``)."""
-        return cls(*(bool(v) if f.type == 'bool' else int(v) for f, v in zip(fields(cls), row)))
+        return cls(*(bool(v) if f.type == 'bool' else int(v) for f, v in zip(fields(cls), row)))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ def steps_planned_from_lengths(lengths: Optional[Sequence[Optional[int]]], share
     """
     if shared is None or lengths is None or any(n is None for n in lengths):
         return 0
-    return max(0, min([*lengths, shared]) - 1)
+    return max(0, min([*lengths, shared]) - 1)  # type: ignore[type-var, operator]  # no None left (checked above)
 
 
 def plan_from_lengths(step: int, rank: int, own: RankStatus, world_size: int) -> StepPlan:

@@ -379,5 +379,5 @@ def rebalanced(
                 [r for r, n in enumerate(counts) if n is None],
             )
         return dataloader, shared, check_overflow, counts
-    loader = RebalancingLoader(dataloader, counts, len_or_none(dataloader), to_device)
-    return loader, loader.length, False, loader.assigned
+    loader = RebalancingLoader(dataloader, counts, len_or_none(dataloader), to_device)  # type: ignore[arg-type]  # no None
+    return loader, loader.length, False, loader.assigned  # type: ignore[return-value]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import Any, Callable, Optional
 
@@ -103,7 +103,7 @@ class Registry:
         True
     """
 
-    def __init__(self, kind: str, factories: Optional[dict[str, Callable[..., Any]]] = None):
+    def __init__(self, kind: str, factories: Optional[Mapping[str, Callable[..., Any]]] = None):
         self.kind = kind
         self._factories: dict[str, Callable[..., Any]] = {}
         self._keys: dict[str, str] = {}  # lookup key -> registered name

@@ -115,7 +115,7 @@ def test_load_config_errors_name_the_key(tmp_path, text, overrides, expected):
 
 
 def test_load_config_missing_file(tmp_path):
-    with pytest.raises(ConfigError, match='nope.yaml'):
+    with pytest.raises(ConfigError, match=r'nope\.yaml'):
         load_config(tmp_path / 'nope.yaml')
 
 

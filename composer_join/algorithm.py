@@ -62,6 +62,7 @@ from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.metrics import MetricStates, shadow_update
 from composer_join.oom import EvalRetry
+from composer_join.passes import MICROBATCH_EVENTS
 from composer_join.plan import StepPlan, agree_on_length
 from composer_join.predict import PREDICT_EVENTS, empty_outputs
 from composer_join.rebalance import RebalancingLoader
@@ -81,7 +82,8 @@ _EVENTS = _STARTS | frozenset((
     Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.AFTER_LOSS,
     Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
     Event.EVAL_BATCH_START, Event.EVAL_BATCH_END, Event.EVAL_END, Event.FIT_END,
-)) | PREDICT_EVENTS | frozenset((Event.AFTER_DATALOADER, Event.BEFORE_BACKWARD))
+)) | PREDICT_EVENTS | MICROBATCH_EVENTS | frozenset((Event.AFTER_DATALOADER,))  # every microbatch event: the
+# pass sees only matching algorithms, so UnevenJoin must match them all to keep the others off a shadow microbatch
 # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
 _CHECKPOINTS = frozenset((Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT))
 _EVENTS |= _CHECKPOINTS

@@ -86,6 +86,9 @@ class ForwardProbe:
     def _start(self, module, _args) -> None:
         if not self.armed or not module.training:  # a training forward (an evaluation may come first)
             return
+        if self._saved:  # the last probed forward raised (a CUDA OOM that Composer retries): probe this one afresh
+            self._restore()
+            self.found = []
         import torch.distributed as tdist
 
         for name in _COLLECTIVES:
@@ -103,12 +106,15 @@ class ForwardProbe:
     def _stop(self, _module, _args, _output) -> None:
         if not self.armed or not self._saved:
             return
+        self._restore()
+        self.armed = False
+
+    def _restore(self) -> None:
         import torch.distributed as tdist
 
         for name, original in self._saved.items():
             setattr(tdist, name, original)
         self._saved = {}
-        self.armed = False
 
 
 class LossShape:

@@ -61,9 +61,13 @@ def fit(wrapper: str, shards: list[int], join: bool) -> dict:
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
-            self.module = torch.nn.Sequential(torch.nn.Linear(FEATURES, WIDTH), torch.nn.ReLU(),
-                                              torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
-                                              torch.nn.Linear(WIDTH, CLASSES))
+            self.module = torch.nn.Sequential(
+                torch.nn.Linear(FEATURES, WIDTH),
+                torch.nn.ReLU(),
+                torch.nn.Linear(WIDTH, WIDTH),
+                torch.nn.ReLU(),
+                torch.nn.Linear(WIDTH, CLASSES),
+            )
 
         def forward(self, batch):
             return self.module(batch[0])
@@ -90,17 +94,28 @@ def fit(wrapper: str, shards: list[int], join: bool) -> dict:
     data = ShardWithLen(torch.randn(n, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
     model, probe, counter = MLP(), Probe(), CollectiveCounter()
     trainer = Trainer(
-        model=model, train_dataloader=DataLoader(data, batch_size=32), max_duration='1ep',
+        model=model,
+        train_dataloader=DataLoader(data, batch_size=32),
+        max_duration='1ep',
         optimizers=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-        algorithms=[UnevenJoin()] if join else [], callbacks=[probe, counter], device='cpu',
-        progress_bar=False, log_to_console=False, seed=0, device_train_microbatch_size=8,
+        algorithms=[UnevenJoin()] if join else [],
+        callbacks=[probe, counter],
+        device='cpu',
+        progress_bar=False,
+        log_to_console=False,
+        seed=0,
+        device_train_microbatch_size=8,
         parallelism_config=parallelism(wrapper, {}),
     )
     trainer.fit()
     trainer.close()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {'peak_mb': peak - probe.start_rss, 'step_s': probe.times, 'shadow': probe.shadow,
-            'collectives': counter.steps}
+    return {
+        'peak_mb': peak - probe.start_rss,
+        'step_s': probe.times,
+        'shadow': probe.shadow,
+        'collectives': counter.steps,
+    }
 
 
 def main() -> None:
@@ -122,8 +137,10 @@ def main() -> None:
             shadow = None if last is None else ', '.join(f'{k} {last.get(k, 0)}' for k in kinds)
             rows.append((wrapper, case, [f'{r["peak_mb"]:.1f}' for r in res], median_ms, per_step, shadow))
             print(rows[-1], flush=True)
-    print('\n| wrapper | case | peak memory over FIT_START, rank 0 / rank 1 (MB) | median ms/step | '
-          'collectives, step 3 | collectives, a shadow step |')
+    print(
+        '\n| wrapper | case | peak memory over FIT_START, rank 0 / rank 1 (MB) | median ms/step | '
+        'collectives, step 3 | collectives, a shadow step |'
+    )
     print('|---|---|---|---|---|---|')
     for wrapper, case, peaks, ms, per_step, shadow in rows:
         print(f'| {wrapper} | {case} | {" / ".join(peaks)} | {ms} | {per_step} | {shadow or "-"} |')

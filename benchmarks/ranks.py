@@ -32,8 +32,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world_size: int, calls: list[tuple[str, str, dict]], timeout: float, progress=None,
-           usage: dict | None = None) -> dict[str, list[Any]]:
+def launch(
+    world_size: int, calls: list[tuple[str, str, dict]], timeout: float, progress=None, usage: dict | None = None
+) -> dict[str, list[Any]]:
     """Run ``calls`` on ``world_size`` fresh ranks; raise with the ranks' output if one fails or time runs out.
 
     ``progress``, if given, is called with each call's name as rank 0 starts it. ``usage``, if
@@ -49,16 +50,29 @@ def launch(world_size: int, calls: list[tuple[str, str, dict]], timeout: float, 
         for rank in range(world_size):
             env = dict(os.environ)
             env.update(
-                RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-                NODE_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), PYTHONUNBUFFERED='1',
-                OMP_NUM_THREADS='1', MKL_NUM_THREADS='1', PYTHONWARNINGS='ignore',
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size),
+                NODE_RANK='0',
+                MASTER_ADDR='127.0.0.1',
+                MASTER_PORT=str(port),
+                PYTHONUNBUFFERED='1',
+                OMP_NUM_THREADS='1',
+                MKL_NUM_THREADS='1',
+                PYTHONWARNINGS='ignore',
             )
             log = open(Path(tmp, f'rank{rank}.log'), 'w+')
             logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, str(HERE / 'ranks.py'), str(spec), str(Path(tmp, f'rank{rank}'))],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / 'ranks.py'), str(spec), str(Path(tmp, f'rank{rank}'))],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         deadline = time.monotonic() + timeout
         running = Path(tmp, 'rank0.running')
         seen = None
@@ -69,8 +83,10 @@ def launch(world_size: int, calls: list[tuple[str, str, dict]], timeout: float, 
                 ranks_cpu = [max(c, process_cpu_seconds(p.pid)) for c, p in zip(ranks_cpu, procs)]
                 if time.monotonic() > deadline:
                     current = running.read_text() if running.exists() else '?'
-                    raise RuntimeError(f'{world_size}-rank launch did not finish within {timeout:.0f} s '
-                                       f'(running: {current}); output:\n{_tails(logs)}')
+                    raise RuntimeError(
+                        f'{world_size}-rank launch did not finish within {timeout:.0f} s '
+                        f'(running: {current}); output:\n{_tails(logs)}'
+                    )
                 if progress is not None and running.exists():
                     current = running.read_text()
                     if current != seen:
@@ -83,8 +99,9 @@ def launch(world_size: int, calls: list[tuple[str, str, dict]], timeout: float, 
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
         if usage is not None:
-            usage.update(elapsed=time.monotonic() - started, machine_busy=machine_busy_seconds() - busy,
-                         ranks_cpu=sum(ranks_cpu))
+            usage.update(
+                elapsed=time.monotonic() - started, machine_busy=machine_busy_seconds() - busy, ranks_cpu=sum(ranks_cpu)
+            )
         results: dict[str, list[Any]] = {name: [None] * world_size for name, _, _ in calls}
         for rank, proc in enumerate(procs):
             out = Path(tmp, f'rank{rank}.pkl')

@@ -141,16 +141,22 @@ def fit(batches: list[int], mode: Optional[str]) -> dict[str, Any]:
     sizes = [n * workloads.BATCH for n in batches]
     model = workloads.Classifier()
     nolen = mode is not None and mode.endswith('_nolen')
-    mode = mode[:-len('_nolen')] if nolen else mode
+    mode = mode[: -len('_nolen')] if nolen else mode
     join = UnevenJoin(mode=mode) if mode is not None else None
     timer = workloads.StepTimer()
     data = workloads.shard(rank, sizes)
     trainer = Trainer(
-        model=model, train_dataloader=Unsized(data) if nolen else data,
+        model=model,
+        train_dataloader=Unsized(data) if nolen else data,
         max_duration=f'{sum(sizes)}sp' if nolen else '1ep',
         optimizers=torch.optim.SGD(model.parameters(), lr=workloads.LR, momentum=0.9),
-        algorithms=[join] if join is not None else [], callbacks=[timer], loggers=[], device=workloads.DEVICE,
-        progress_bar=False, log_to_console=False, seed=0,
+        algorithms=[join] if join is not None else [],
+        callbacks=[timer],
+        loggers=[],
+        device=workloads.DEVICE,
+        progress_bar=False,
+        log_to_console=False,
+        seed=0,
     )
     dist.barrier()
     start = time.perf_counter()
@@ -191,8 +197,13 @@ def calls(s: Setup) -> list[tuple[str, str, dict]]:
             batches = case_batches(case, s.world, s.longest)
             for method in METHODS if rep % 2 == 0 else METHODS[::-1]:
                 mode = None if method == 'ideal' else method
-                out.append((f'{case}|{method}|{rep}', 'rebalance:fit',
-                            {'batches': method_batches(method, batches), 'mode': mode}))
+                out.append(
+                    (
+                        f'{case}|{method}|{rep}',
+                        'rebalance:fit',
+                        {'batches': method_batches(method, batches), 'mode': mode},
+                    )
+                )
     out.append(('latency', 'workloads:collective_latency', {'repeats': 200}))  # the agreement all-reduce alone
     return out
 
@@ -204,26 +215,36 @@ def analyse(res: dict, s: Setup) -> list[dict[str, Any]]:
         ideal = statistics.median(walls['ideal'])
         for m in METHODS:
             last = res[f'{case}|{m}|{s.reps - 1}']
-            rows.append({
-                'world': s.world, 'case': case, 'method': m,
-                'batches': method_batches(m, case_batches(case, s.world, s.longest)),
-                'steps': last[0]['steps'], 'samples': last[0]['samples'], 'wall': statistics.median(walls[m]),
-                'ratio': statistics.median(walls[m]) / ideal,
-                'range': (min(walls[m]) / ideal, max(walls[m]) / ideal),
-                'bytes': sum(r['sent'] for r in last), 'shadow_steps': sum(r['shadow_steps'] for r in last),
-                'rss': statistics.median(max(r['rss_growth'] for r in res[f'{case}|{m}|{rep}']) for rep in range(s.reps)),
-                'peak_held': max(r['peak_held'] for r in last), 'peak_held_bytes': max(r['peak_held_bytes'] for r in last),
-            })
+            rows.append(
+                {
+                    'world': s.world,
+                    'case': case,
+                    'method': m,
+                    'batches': method_batches(m, case_batches(case, s.world, s.longest)),
+                    'steps': last[0]['steps'],
+                    'samples': last[0]['samples'],
+                    'wall': statistics.median(walls[m]),
+                    'ratio': statistics.median(walls[m]) / ideal,
+                    'range': (min(walls[m]) / ideal, max(walls[m]) / ideal),
+                    'bytes': sum(r['sent'] for r in last),
+                    'shadow_steps': sum(r['shadow_steps'] for r in last),
+                    'rss': statistics.median(
+                        max(r['rss_growth'] for r in res[f'{case}|{m}|{rep}']) for rep in range(s.reps)
+                    ),
+                    'peak_held': max(r['peak_held'] for r in last),
+                    'peak_held_bytes': max(r['peak_held_bytes'] for r in last),
+                }
+            )
     return rows
 
 
 def markdown(rows: list[dict], info: dict) -> str:
     lines = [
-        '## 3. Rebalancing (`UnevenJoin(mode=\'rebalance\')`), with and without `len()`\n',
+        "## 3. Rebalancing (`UnevenJoin(mode='rebalance')`), with and without `len()`\n",
         f'`{info["command"]}`, {info["date"]}, {info["seconds"]:.0f} s; load average before: {info["load"]}, '
         f'after: {info.get("load_after", "?")}; composer_join {info["code"]}.\n',
         'One epoch of the workload above. *ideal*: stock Composer on balanced shards of the same total, '
-        '`ceil(total / W)` batches per rank. *shadow*: `UnevenJoin()`; *rebalance*: `UnevenJoin(mode=\'rebalance\')`; '
+        "`ceil(total / W)` batches per rank. *shadow*: `UnevenJoin()`; *rebalance*: `UnevenJoin(mode='rebalance')`; "
         '*no len*: the same shards as iterables without `len()` (rebalance: read-ahead rebalancing). '
         'Wall time: `fit`, max over ranks, median over repetitions; range over repetitions in brackets. '
         'Extra per step: `(wall(no len) - wall(len)) / steps` of rebalancing. Bytes moved: per epoch, batches '
@@ -245,12 +266,16 @@ def markdown(rows: list[dict], info: dict) -> str:
                 f'**{rbn["ratio"]:.3f}** ({rbn["range"][0]:.2f}-{rbn["range"][1]:.2f}) | '
                 f'{"yes" if rbn["ratio"] <= GOAL_NOLEN else "**no**"} | {sh["steps"]}, {rb["steps"]}, {rbn["steps"]} | '
                 f'{extra:+.1f} | {rb["bytes"] / 1e6:.2f}, {rbn["bytes"] / 1e6:.2f} MB | '
-                f'{i["rss"] / 1e6:.1f}, {rbn["rss"] / 1e6:.1f} | {rbn["peak_held"]} ({rbn["peak_held_bytes"] / 1e6:.2f} MB) |')
+                f'{i["rss"] / 1e6:.1f}, {rbn["rss"] / 1e6:.1f} | {rbn["peak_held"]} ({rbn["peak_held_bytes"] / 1e6:.2f} MB) |'
+            )
     if info.get('latency'):
-        lines.append('\nThe agreement all-reduce alone (`W x 12` int64, gloo, back to back, median): ' + ', '.join(
-            f'{w} ranks {v * 1e3:.2f} ms' for w, v in sorted(info['latency'].items())) + '. Without `len()` it runs on '
-            'every step (overlapped with the previous step\'s training); the sized scheme runs it only on the steps from '
-            'the shortest assigned count\'s last batch on (one or two per epoch).')
+        lines.append(
+            '\nThe agreement all-reduce alone (`W x 12` int64, gloo, back to back, median): '
+            + ', '.join(f'{w} ranks {v * 1e3:.2f} ms' for w, v in sorted(info['latency'].items()))
+            + '. Without `len()` it runs on '
+            "every step (overlapped with the previous step's training); the sized scheme runs it only on the steps from "
+            "the shortest assigned count's last batch on (one or two per epoch)."
+        )
     return '\n'.join(lines) + '\n'
 
 
@@ -260,22 +285,33 @@ def chart(rows: list[dict], path: Path) -> None:
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
-    groups = [(w, c) for w in sorted({r['world'] for r in rows})
-              for c in dict.fromkeys(r['case'] for r in rows if r['world'] == w)]
+    groups = [
+        (w, c)
+        for w in sorted({r['world'] for r in rows})
+        for c in dict.fromkeys(r['case'] for r in rows if r['world'] == w)
+    ]
     fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(groups)), 4.0))
-    shown = {'shadow': ('shadow', '#5a8fd6'), 'rebalance': ('rebalance', '#2e9e5b'),
-             'shadow_nolen': ('shadow, no len()', '#a9c4ea'), 'rebalance_nolen': ('rebalance, no len()', '#e08a2c')}
+    shown = {
+        'shadow': ('shadow', '#5a8fd6'),
+        'rebalance': ('rebalance', '#2e9e5b'),
+        'shadow_nolen': ('shadow, no len()', '#a9c4ea'),
+        'rebalance_nolen': ('rebalance, no len()', '#e08a2c'),
+    }
     width = 0.2
     for k, (method, (label, color)) in enumerate(shown.items()):
-        values = [next(r['ratio'] for r in rows if (r['world'], r['case'], r['method']) == (w, c, method))
-                  for w, c in groups]
+        values = [
+            next(r['ratio'] for r in rows if (r['world'], r['case'], r['method']) == (w, c, method)) for w, c in groups
+        ]
         xs = [g + (k - 1.5) * width for g in range(len(groups))]
         ax.bar(xs, values, width, label=label, color=color)
     ax.axhline(1.0, color='black', lw=0.8)
     ax.axhline(GOAL, color='#2e9e5b', lw=0.8, ls='--', label=f'goal, rebalance ({GOAL:.2f})')
     ax.axhline(GOAL_NOLEN, color='#e08a2c', lw=0.8, ls='--', label=f'goal, no len() ({GOAL_NOLEN:.2f})')
     ax.set_xticks(range(len(groups)), [f'{w} ranks\n{c}' for w, c in groups], fontsize=8)
-    ax.set(ylabel='epoch wall time / balanced ideal', title='Uneven shards: shadowing vs rebalancing, with and without len()')
+    ax.set(
+        ylabel='epoch wall time / balanced ideal',
+        title='Uneven shards: shadowing vs rebalancing, with and without len()',
+    )
     ax.set_ylim(0, 1.35 * max(r['ratio'] for r in rows))
     ax.legend(fontsize=7, ncol=3, loc='upper center')
     fig.tight_layout()
@@ -300,18 +336,30 @@ def run(quick: bool, out: Path, command: str = '', max_ranks: Optional[int] = No
     setups = [s for s in (QUICK if quick else FULL) if max_ranks is None or s.world <= max_ranks]
     left_out = sorted({s.world for s in (QUICK if quick else FULL)} - {s.world for s in setups})
     if not setups:
-        return (f'## 3. Rebalancing\n\nNot run: every world size of this benchmark ({", ".join(map(str, left_out))} '
-                f'ranks) is above --max-ranks {max_ranks}.\n')
+        return (
+            f'## 3. Rebalancing\n\nNot run: every world size of this benchmark ({", ".join(map(str, left_out))} '
+            f'ranks) is above --max-ranks {max_ranks}.\n'
+        )
     for s in setups:
         print(f'rebalance: {s.world} ranks', flush=True)
         t0 = time.perf_counter()
-        res = launch(s.world, calls(s), timeout=s.timeout,
-                     progress=lambda name: print(f'  {time.perf_counter() - t0:6.1f}s  {name}', flush=True))
+        res = launch(
+            s.world,
+            calls(s),
+            timeout=s.timeout,
+            progress=lambda name: print(f'  {time.perf_counter() - t0:6.1f}s  {name}', flush=True),
+        )
         rows += analyse(res, s)
         latency[s.world] = statistics.median(r['median'] for r in res['latency'])
-    info = {'command': command or ('.venv/bin/python benchmarks/rebalance.py' + (' --quick' if quick else '')),
-            'date': datetime.datetime.now().strftime('%Y-%m-%d %H:%M'), 'seconds': time.perf_counter() - start,
-            'load': load, 'code': code_version(), 'latency': latency, 'load_after': ', '.join(f'{v:.2f}' for v in os.getloadavg())}
+    info = {
+        'command': command or ('.venv/bin/python benchmarks/rebalance.py' + (' --quick' if quick else '')),
+        'date': datetime.datetime.now().strftime('%Y-%m-%d %H:%M'),
+        'seconds': time.perf_counter() - start,
+        'load': load,
+        'code': code_version(),
+        'latency': latency,
+        'load_after': ', '.join(f'{v:.2f}' for v in os.getloadavg()),
+    }
     chart(rows, out / 'rebalance.png')
     note = f'\n(Left out, above --max-ranks {max_ranks}: {", ".join(map(str, left_out))} ranks.)\n' if left_out else ''
     return markdown(rows, info) + note

@@ -138,7 +138,7 @@ def calls(s: Setup, profile: bool) -> list[tuple[str, str, dict]]:
     out = [('warm-up', 'warm_up', {'sizes': [4 * BATCH] * s.world})]
     n = len(s.modes)
     for r in range(s.rounds):
-        for mode in s.modes[r % n:] + s.modes[:r % n]:
+        for mode in s.modes[r % n :] + s.modes[: r % n]:
             out.append((f'overhead|{mode}|{r}', 'composer_fit', {'sizes': even, 'evaluate': False, **MODE_ARGS[mode]}))
     for rep in range(s.reps):
         for case in s.cases:
@@ -148,14 +148,23 @@ def calls(s: Setup, profile: bool) -> list[tuple[str, str, dict]]:
     if s.counts:  # (2 ranks) also the loss of UnevenJoin's other gradient scaling
         for case in s.cases:
             if case != '1:1':
-                out.append((f'uneven|{case}|{NO_DIVIDE}|0', *method_call(NO_DIVIDE, case_sizes(case, s.world, longest))))
+                out.append(
+                    (f'uneven|{case}|{NO_DIVIDE}|0', *method_call(NO_DIVIDE, case_sizes(case, s.world, longest)))
+                )
         for sync in SYNCS:
             # stock: 3 real steps everywhere; UnevenJoin: the last rank runs out after 4 of 6 steps (steps 0-2
             # are planned from the lengths, 3 is its last batch, 4 and 5 are shadow steps for it).
             common = {'sync': sync, 'microbatch': COUNT_MICROBATCH}
-            out.append((f'count|{sync}|stock', 'count_collectives', {'sizes': [3 * BATCH] * s.world, 'join': False, **common}))
-            out.append((f'count|{sync}|UnevenJoin', 'count_collectives',
-                        {'sizes': [6 * BATCH] * (s.world - 1) + [4 * BATCH], 'join': True, **common}))
+            out.append(
+                (f'count|{sync}|stock', 'count_collectives', {'sizes': [3 * BATCH] * s.world, 'join': False, **common})
+            )
+            out.append(
+                (
+                    f'count|{sync}|UnevenJoin',
+                    'count_collectives',
+                    {'sizes': [6 * BATCH] * (s.world - 1) + [4 * BATCH], 'join': True, **common},
+                )
+            )
     out.append(('events', 'event_costs', {'sizes': even}))
     out.append(('events|stock', 'event_costs', {'sizes': even, 'join': False}))
     out.append(('latency', 'collective_latency', {}))
@@ -194,8 +203,12 @@ def analyse_overhead(res: dict, s: Setup) -> dict[str, Any]:
         }
     for mode in (m for m in s.modes[1:] if m in out):
         rounds = [a / b for a, b in zip(out[mode]['per_round'], out['stock']['per_round'])]
-        out[mode].update(ratio=out[mode]['wall'] / out['stock']['wall'], round_median=median(rounds),
-                         round_min=min(rounds), round_max=max(rounds))
+        out[mode].update(
+            ratio=out[mode]['wall'] / out['stock']['wall'],
+            round_median=median(rounds),
+            round_min=min(rounds),
+            round_max=max(rounds),
+        )
     return out
 
 
@@ -222,20 +235,34 @@ def analyse_uneven(res: dict, s: Setup) -> list[dict[str, Any]]:
                 trained, steps = last[0]['samples'], last[0]['steps']
             walls = [max(r['wall'] for r in fit) for fit in fits]
             row = {
-                'world': s.world, 'case': case, 'sizes': sizes, 'method': method, 'steps': steps,
-                'trained': trained, 'total': total, 'distinct': min(trained, total),
-                'dropped': max(total - trained, 0), 'repeated': max(trained - total, 0),
-                'wall': median(walls) if method != 'limit' else limit, 'limit_fits': len(limit_walls),
+                'world': s.world,
+                'case': case,
+                'sizes': sizes,
+                'method': method,
+                'steps': steps,
+                'trained': trained,
+                'total': total,
+                'distinct': min(trained, total),
+                'dropped': max(total - trained, 0),
+                'repeated': max(trained - total, 0),
+                'wall': median(walls) if method != 'limit' else limit,
+                'limit_fits': len(limit_walls),
                 'loss': last[0]['loss'],
             }
             row['vs_limit'] = row['wall'] / limit
             row['vs_limit_range'] = (min(walls) / limit, max(walls) / limit)
             if method == 'UnevenJoin':
-                split: dict[bool, dict[str, list]] = {flag: {'cpu': [], 'wall': [], 'process_cpu': []} for flag in (True, False)}
+                split: dict[bool, dict[str, list]] = {
+                    flag: {'cpu': [], 'wall': [], 'process_cpu': []} for flag in (True, False)
+                }
                 for fit in fits:
                     for r in fit:
                         for i in range(WARMUP_STEPS, len(r['shadow'])):
-                            for key, series in (('cpu', 'step_cpu'), ('wall', 'step_wall'), ('process_cpu', 'step_process_cpu')):
+                            for key, series in (
+                                ('cpu', 'step_cpu'),
+                                ('wall', 'step_wall'),
+                                ('process_cpu', 'step_process_cpu'),
+                            ):
                                 split[r['shadow'][i]][key].append(r[series][i])
                 row['shadow_steps'] = len(split[True]['cpu'])
                 for key in ('cpu', 'wall', 'process_cpu'):
@@ -243,8 +270,17 @@ def analyse_uneven(res: dict, s: Setup) -> list[dict[str, Any]]:
             rows.append(row)
             if method == 'UnevenJoin' and f'uneven|{case}|{NO_DIVIDE}|0' in res:
                 fit = res[f'uneven|{case}|{NO_DIVIDE}|0']
-                rows.append(dict(row, method=NO_DIVIDE, trained=fit[0]['samples'], loss=fit[0]['loss'], shadow_steps=0,
-                                 wall=max(r['wall'] for r in fit), vs_limit=max(r['wall'] for r in fit) / limit))
+                rows.append(
+                    dict(
+                        row,
+                        method=NO_DIVIDE,
+                        trained=fit[0]['samples'],
+                        loss=fit[0]['loss'],
+                        shadow_steps=0,
+                        wall=max(r['wall'] for r in fit),
+                        vs_limit=max(r['wall'] for r in fit) / limit,
+                    )
+                )
     return rows
 
 
@@ -257,10 +293,16 @@ def analyse_counts(res: dict) -> list[dict[str, Any]]:
     for sync in SYNCS:
         stock, join = res[f'count|{sync}|stock'], res[f'count|{sync}|UnevenJoin']
         shadow_step = join[-1]['shadow'].index(True)
-        for label, per_rank, step in (('stock', stock, 1), ('real', join, 1), ('last', join, shadow_step - 1),
-                                      ('shadow', join, shadow_step)):
+        for label, per_rank, step in (
+            ('stock', stock, 1),
+            ('real', join, 1),
+            ('last', join, shadow_step - 1),
+            ('shadow', join, shadow_step),
+        ):
             counts = [r['steps'][step] for r in per_rank]
-            rows.append({'sync': sync, 'label': label, 'counts': counts[0], 'agree': all(c == counts[0] for c in counts)})
+            rows.append(
+                {'sync': sync, 'label': label, 'counts': counts[0], 'agree': all(c == counts[0] for c in counts)}
+            )
     return rows
 
 
@@ -280,7 +322,11 @@ def mark(ok: bool) -> str:
 
 
 def fmt_counts(c: dict[str, int]) -> str:
-    names = {'all_reduce': 'all_reduce', 'ddp_grad_bucket': 'DDP grad bucket', '_broadcast_coalesced': 'buffer broadcast'}
+    names = {
+        'all_reduce': 'all_reduce',
+        'ddp_grad_bucket': 'DDP grad bucket',
+        '_broadcast_coalesced': 'buffer broadcast',
+    }
     return f'**{sum(c.values())}**: ' + ', '.join(f'{names.get(k, k)} {v}' for k, v in sorted(c.items()))
 
 
@@ -289,110 +335,158 @@ def markdown(info: dict, overheads: list, uneven: list, counts: list, events: di
     L: list[str] = []
     add = L.append
     add('# UnevenJoin benchmarks\n')
-    add(f'`{info["command"]}`, {info["date"]}, {info["seconds"]:.0f} s. {info["machine"]}. composer_join: '
-        f'{info["code"]}.\n')
-    add(f'Machine load: load average (1, 5, 15 min) {info["load_before"]} before the run, {info["load_after"]} after '
-        f'it (that one includes the benchmark\'s own ranks). CPU taken by *other* processes while the ranks ran '
-        f'(machine busy time minus the ranks\', from /proc): {info["others"]}.\n')
+    add(
+        f'`{info["command"]}`, {info["date"]}, {info["seconds"]:.0f} s. {info["machine"]}. composer_join: '
+        f'{info["code"]}.\n'
+    )
+    add(
+        f'Machine load: load average (1, 5, 15 min) {info["load_before"]} before the run, {info["load_after"]} after '
+        f"it (that one includes the benchmark's own ranks). CPU taken by *other* processes while the ranks ran "
+        f"(machine busy time minus the ranks', from /proc): {info['others']}.\n"
+    )
     if info['disturbed']:
-        add(f'**Warning: other processes took more than {DISTURBED} of a core during the launches at '
-            f'{", ".join(str(w) for w in info["disturbed"])} ranks; their timings are disturbed.**\n')
-    add(f'Workload: a small conv net (BatchNorm, 0.62 M parameters), {BATCH} samples per rank per step, one epoch, '
+        add(
+            f'**Warning: other processes took more than {DISTURBED} of a core during the launches at '
+            f'{", ".join(str(w) for w in info["disturbed"])} ranks; their timings are disturbed.**\n'
+        )
+    add(
+        f'Workload: a small conv net (BatchNorm, 0.62 M parameters), {BATCH} samples per rank per step, one epoch, '
         f'SGD with momentum, one thread per rank, gloo. Longest shard: '
         + ', '.join(f'{s.batches} batches at {s.world} ranks' for s in info['setups'])
         + f'. Step time: `perf_counter` between consecutive `BATCH_END`s; the first {WARMUP_STEPS} steps of '
-        'every fit are not timed. With more ranks than the 2 cores, ranks share cores.\n')
+        'every fit are not timed. With more ranks than the 2 cores, ranks share cores.\n'
+    )
 
     add('## 1. Overhead on even inputs\n')
-    add(f'Fits on equal shards in rounds, one fit of each mode per round, order rotating: **stock** Composer; '
-        f'**{FAKED}**: UnevenJoin with its agreement all-reduces (on even shards only the last step\'s) replaced '
-        f'by a local copy of this rank\'s row (exact on even shards, where every rank\'s row is the same): all of '
+    add(
+        f'Fits on equal shards in rounds, one fit of each mode per round, order rotating: **stock** Composer; '
+        f"**{FAKED}**: UnevenJoin with its agreement all-reduces (on even shards only the last step's) replaced "
+        f"by a local copy of this rank's row (exact on even shards, where every rank's row is the same): all of "
         f'UnevenJoin except that collective; '
         f'**UnevenJoin**. Median step time on rank 0 over all rounds; ratio to stock; median and range of the '
-        f'per-round ratios. Goal: UnevenJoin / stock <= 1.01.\n')
-    add(f'| ranks | steps timed (each) | stock ms/step | {FAKED} | UnevenJoin | **UnevenJoin / stock** | '
-        f'per round: median (range) | goal met | {FAKED} / stock |')
+        f'per-round ratios. Goal: UnevenJoin / stock <= 1.01.\n'
+    )
+    add(
+        f'| ranks | steps timed (each) | stock ms/step | {FAKED} | UnevenJoin | **UnevenJoin / stock** | '
+        f'per round: median (range) | goal met | {FAKED} / stock |'
+    )
     add('|---|---|---|---|---|---|---|---|---|')
     for o in overheads:
         j = o['UnevenJoin']
         faked = (ms(o[FAKED]['wall']), f'{o[FAKED]["ratio"]:.3f}') if FAKED in o else ('not run', 'not run')
-        add(f'| {o["world"]} | {o["stock"]["steps"]} | {ms(o["stock"]["wall"])} | {faked[0]} | {ms(j["wall"])} | '
+        add(
+            f'| {o["world"]} | {o["stock"]["steps"]} | {ms(o["stock"]["wall"])} | {faked[0]} | {ms(j["wall"])} | '
             f'**{j["ratio"]:.3f}** | {j["round_median"]:.3f} ({j["round_min"]:.3f}-{j["round_max"]:.3f}) | '
-            f'{mark(j["ratio"] <= 1.01)} | {faked[1]} |')
+            f'{mark(j["ratio"] <= 1.01)} | {faked[1]} |'
+        )
     add('')
-    add('CPU time per step (median, rank 0): main thread (`thread_time`) / whole process (`process_time`, which '
-        'includes gloo\'s and DDP\'s threads), ms.\n')
+    add(
+        'CPU time per step (median, rank 0): main thread (`thread_time`) / whole process (`process_time`, which '
+        "includes gloo's and DDP's threads), ms.\n"
+    )
     add('| ranks | ' + ' | '.join(MODES) + ' |')
     add('|---|' + '---|' * len(MODES))
     for o in overheads:
-        add(f'| {o["world"]} | ' + ' | '.join(f'{ms(o[m]["cpu"])} / {ms(o[m]["process_cpu"])}' if m in o else 'not run'
-                                             for m in MODES) + ' |')
+        add(
+            f'| {o["world"]} | '
+            + ' | '.join(f'{ms(o[m]["cpu"])} / {ms(o[m]["process_cpu"])}' if m in o else 'not run' for m in MODES)
+            + ' |'
+        )
     add('')
     if counts:
-        add(f'Collectives per step at 2 ranks, microbatch size {COUNT_MICROBATCH} (a real step is 2 microbatches, a '
-            'shadow step 1). `all_reduce`: Python-level `torch.distributed.all_reduce` calls (Composer\'s and '
-            'UnevenJoin\'s); DDP grad bucket: DDP\'s gradient all-reduces (2 buckets per sync for this model); buffer '
-            'broadcast: DDP\'s BatchNorm-buffer broadcast; broadcast: Composer\'s. A step\'s window runs from the '
-            'previous `BATCH_END` to its own, so it also holds the next step\'s agreement, which starts a step ahead; '
-            'the first agreed step (the last rank\'s last batch) starts its own. UnevenJoin\'s fit: 6 steps, the '
-            'last rank has 4 batches, so 3 steps are agreed in all.\n')
-        add('| sync strategy | stock | UnevenJoin, before any rank\'s last batch | UnevenJoin, last rank\'s last batch '
-            '| UnevenJoin, last rank shadowing | same on all ranks |')
+        add(
+            f'Collectives per step at 2 ranks, microbatch size {COUNT_MICROBATCH} (a real step is 2 microbatches, a '
+            "shadow step 1). `all_reduce`: Python-level `torch.distributed.all_reduce` calls (Composer's and "
+            "UnevenJoin's); DDP grad bucket: DDP's gradient all-reduces (2 buckets per sync for this model); buffer "
+            "broadcast: DDP's BatchNorm-buffer broadcast; broadcast: Composer's. A step's window runs from the "
+            "previous `BATCH_END` to its own, so it also holds the next step's agreement, which starts a step ahead; "
+            "the first agreed step (the last rank's last batch) starts its own. UnevenJoin's fit: 6 steps, the "
+            'last rank has 4 batches, so 3 steps are agreed in all.\n'
+        )
+        add(
+            "| sync strategy | stock | UnevenJoin, before any rank's last batch | UnevenJoin, last rank's last batch "
+            '| UnevenJoin, last rank shadowing | same on all ranks |'
+        )
         add('|---|---|---|---|---|---|')
         for sync in SYNCS:
             rows = {r['label']: r for r in counts if r['sync'] == sync}
-            add(f'| {sync} | ' + ' | '.join(fmt_counts(rows[k]['counts']) for k in ('stock', 'real', 'last', 'shadow'))
-                + f' | {mark(all(r["agree"] for r in rows.values()))} |')
+            add(
+                f'| {sync} | '
+                + ' | '.join(fmt_counts(rows[k]['counts']) for k in ('stock', 'real', 'last', 'shadow'))
+                + f' | {mark(all(r["agree"] for r in rows.values()))} |'
+            )
         add('')
 
     add('## 2. Uneven inputs\n')
-    add('Rank 0 has the longest shard; "r:1": every other rank has 1/r of it; "one empty": the last rank has none. '
+    add(
+        'Rank 0 has the longest shard; "r:1": every other rank has 1/r of it; "one empty": the last rank has none. '
         '*limit*: stock Composer with every shard as long as the longest (same steps, all real), the least time '
         'for any method that keeps each rank on its own data; its wall time is the median of all its fits at that '
         'world size. Wall time: `fit` (or the torch loop), max over ranks, median over repetitions. At 1:1, stock '
-        'and padded are the limit\'s configuration (same fits). Goal: UnevenJoin wall / limit <= 1.05.\n')
+        "and padded are the limit's configuration (same fits). Goal: UnevenJoin wall / limit <= 1.05.\n"
+    )
     for world in sorted({r['world'] for r in uneven}):
         add(f'### {world} ranks\n')
-        add('| case (samples per rank) | method | steps | own samples trained | dropped | repeated | wall s | '
-            'wall / limit | held-out loss |')
+        add(
+            '| case (samples per rank) | method | steps | own samples trained | dropped | repeated | wall s | '
+            'wall / limit | held-out loss |'
+        )
         add('|---|---|---|---|---|---|---|---|---|')
         for r in (r for r in uneven if r['world'] == world):
             sizes = '/'.join(str(v) for v in r['sizes'])
             if r['method'] == 'limit':
-                add(f'| {r["case"]} ({sizes}) | limit | {r["steps"]} | ({r["trained"]}, longer shards) | | | '
-                    f'{r["wall"]:.2f} | 1 | |')
+                add(
+                    f'| {r["case"]} ({sizes}) | limit | {r["steps"]} | ({r["trained"]}, longer shards) | | | '
+                    f'{r["wall"]:.2f} | 1 | |'
+                )
                 continue
             if r['method'] == NO_DIVIDE:
-                add(f'| {r["case"]} ({sizes}) | {r["method"]} (one fit, for the loss) | {r["steps"]} | {r["distinct"]} of '
-                    f'{r["total"]} | {r["dropped"]} | {r["repeated"]} | ({r["wall"]:.2f}) | ({r["vs_limit"]:.3f}) | {r["loss"]:.3f} |')
+                add(
+                    f'| {r["case"]} ({sizes}) | {r["method"]} (one fit, for the loss) | {r["steps"]} | {r["distinct"]} of '
+                    f'{r["total"]} | {r["dropped"]} | {r["repeated"]} | ({r["wall"]:.2f}) | ({r["vs_limit"]:.3f}) | {r["loss"]:.3f} |'
+                )
                 continue
             name = f'**{r["method"]}**' if r['method'] == 'UnevenJoin' else r['method']
-            add(f'| {r["case"]} ({sizes}) | {name} | {r["steps"]} | {r["distinct"]} of {r["total"]} | {r["dropped"]} | '
-                f'{r["repeated"]} | {r["wall"]:.2f} | {r["vs_limit"]:.3f} | {r["loss"]:.3f} |')
+            add(
+                f'| {r["case"]} ({sizes}) | {name} | {r["steps"]} | {r["distinct"]} of {r["total"]} | {r["dropped"]} | '
+                f'{r["repeated"]} | {r["wall"]:.2f} | {r["vs_limit"]:.3f} | {r["loss"]:.3f} |'
+            )
         add('')
-    add('UnevenJoin against the limit, and what a shadow step costs (UnevenJoin\'s per-step times split by '
-        '`is_shadow_step`, all ranks and repetitions pooled, medians). CPU = the rank\'s main thread '
+    add(
+        "UnevenJoin against the limit, and what a shadow step costs (UnevenJoin's per-step times split by "
+        "`is_shadow_step`, all ranks and repetitions pooled, medians). CPU = the rank's main thread "
         '(`thread_time`; leaves out time blocked waiting for other ranks); process = all its threads; wall = '
-        '`BATCH_END` to `BATCH_END`, which on a shadow rank includes waiting for the ranks with data.\n')
-    add('| ranks | case | **UnevenJoin wall / limit** | range over reps | goal met | shadow steps timed | '
-        'real step CPU / process ms | shadow step CPU / process ms | shadow / real, CPU | shadow / real, wall |')
+        '`BATCH_END` to `BATCH_END`, which on a shadow rank includes waiting for the ranks with data.\n'
+    )
+    add(
+        '| ranks | case | **UnevenJoin wall / limit** | range over reps | goal met | shadow steps timed | '
+        'real step CPU / process ms | shadow step CPU / process ms | shadow / real, CPU | shadow / real, wall |'
+    )
     add('|---|---|---|---|---|---|---|---|---|---|')
     for r in (r for r in uneven if r['method'] == 'UnevenJoin'):  # (not NO_DIVIDE)
         lo, hi = r['vs_limit_range']
         shadow = r['shadow_steps'] > 0
-        add(f'| {r["world"]} | {r["case"]} | **{r["vs_limit"]:.3f}** | {lo:.3f}-{hi:.3f} | {mark(r["vs_limit"] <= 1.05)} | '
+        add(
+            f'| {r["world"]} | {r["case"]} | **{r["vs_limit"]:.3f}** | {lo:.3f}-{hi:.3f} | {mark(r["vs_limit"] <= 1.05)} | '
             f'{r["shadow_steps"]} | {ms(r["real_cpu"])} / {ms(r["real_process_cpu"])} | '
-            + (f'{ms(r["shadow_cpu"])} / {ms(r["shadow_process_cpu"])} | {r["shadow_cpu"] / r["real_cpu"]:.2f} | '
-               f'{r["shadow_wall"] / r["real_wall"]:.2f} |' if shadow else '- | - | - |'))
+            + (
+                f'{ms(r["shadow_cpu"])} / {ms(r["shadow_process_cpu"])} | {r["shadow_cpu"] / r["real_cpu"]:.2f} | '
+                f'{r["shadow_wall"] / r["real_wall"]:.2f} |'
+                if shadow
+                else '- | - | - |'
+            )
+        )
     add('')
 
-    add('## Where UnevenJoin\'s time goes\n')
-    add('Per step (median over steps), rank 0, even shards. Pieces timed in one UnevenJoin fit and one stock fit '
-        '(`workloads.event_costs`: `perf_counter` around each `UnevenJoin.apply` / `match` call, around Composer\'s '
-        '`Engine._run_algorithms`, around the JoinLoader\'s `next`, and around issuing and waiting for the '
+    add("## Where UnevenJoin's time goes\n")
+    add(
+        'Per step (median over steps), rank 0, even shards. Pieces timed in one UnevenJoin fit and one stock fit '
+        "(`workloads.event_costs`: `perf_counter` around each `UnevenJoin.apply` / `match` call, around Composer's "
+        "`Engine._run_algorithms`, around the JoinLoader's `next`, and around issuing and waiting for the "
         'agreement all-reduce, found by its tensor). Waiting for the agreement includes waiting for the slower '
         'rank. Then one agreement all-reduce on its own, back to back after a barrier. The last rows come from '
-        'section 1.\n')
+        'section 1.\n'
+    )
     worlds = sorted(events)
     per = {w: events[w]['per_step'] for w in worlds}
     calls_us = {w: sum(v for k, v in per[w].items() if k.startswith(('apply', 'match'))) for w in worlds}
@@ -404,33 +498,53 @@ def markdown(info: dict, overheads: list, uneven: list, counts: list, events: di
 
     for key in sorted({k for w in worlds for k in per[w] if k.startswith(('JoinLoader', 'agreement'))}):
         row(key, [us(per[w].get(key, 0)) for w in worlds])
-    for key in sorted({k for w in worlds for k in per[w] if k.startswith(('apply', 'match'))},
-                      key=lambda k: -per[worlds[0]].get(k, 0)):
+    for key in sorted(
+        {k for w in worlds for k in per[w] if k.startswith(('apply', 'match'))}, key=lambda k: -per[worlds[0]].get(k, 0)
+    ):
         if any(per[w].get(key, 0) > 0 for w in worlds):
             row(f'`{key}`', [us(per[w].get(key, 0)) for w in worlds])
     row('**all `apply` + `match` calls**', [us(calls_us[w]) for w in worlds])
     if all(ENGINE in per[w] for w in worlds):
-        row('**Composer\'s engine bookkeeping for them** (`_run_algorithms` minus `apply`/`match`, minus the same in '
+        row(
+            "**Composer's engine bookkeeping for them** (`_run_algorithms` minus `apply`/`match`, minus the same in "
             'a stock fit: per-event traces, `log_traces`, debug-log strings)',
-            [us(per[w][ENGINE] - calls_us[w] - events[w]['stock_engine']) for w in worlds])
+            [us(per[w][ENGINE] - calls_us[w] - events[w]['stock_engine']) for w in worlds],
+        )
     latency = {w: events[w]['latency'] for w in worlds}
     row('one agreement all-reduce alone: wall', [us(latency[w]['median']) for w in worlds])
-    row('... its CPU: whole process / calling thread', [f'{us(latency[w]["process_cpu"])} / {us(latency[w]["thread_cpu"])}'
-                                                       for w in worlds])
-    row('CPU a rank burns while blocked in it waiting for a late rank (cores)',
-        [f'{latency[w]["waiting_cpu_per_ms"]:.2f}' for w in worlds])
+    row(
+        '... its CPU: whole process / calling thread',
+        [f'{us(latency[w]["process_cpu"])} / {us(latency[w]["thread_cpu"])}' for w in worlds],
+    )
+    row(
+        'CPU a rank burns while blocked in it waiting for a late rank (cores)',
+        [f'{latency[w]["waiting_cpu_per_ms"]:.2f}' for w in worlds],
+    )
     by_world = {o['world']: o for o in overheads}
-    row('**measured overhead: UnevenJoin - stock** (median step, section 1)',
-        [us(by_world[w]['UnevenJoin']['wall'] - by_world[w]['stock']['wall']) for w in worlds])
-    row(f'... of which all but the collective: {FAKED} - stock',
-        [us(by_world[w][FAKED]['wall'] - by_world[w]['stock']['wall']) if FAKED in by_world[w] else 'not run' for w in worlds])
-    row(f'... of which the collective: UnevenJoin - {FAKED}',
-        [us(by_world[w]['UnevenJoin']['wall'] - by_world[w][FAKED]['wall']) if FAKED in by_world[w] else 'not run'
-         for w in worlds])
+    row(
+        '**measured overhead: UnevenJoin - stock** (median step, section 1)',
+        [us(by_world[w]['UnevenJoin']['wall'] - by_world[w]['stock']['wall']) for w in worlds],
+    )
+    row(
+        f'... of which all but the collective: {FAKED} - stock',
+        [
+            us(by_world[w][FAKED]['wall'] - by_world[w]['stock']['wall']) if FAKED in by_world[w] else 'not run'
+            for w in worlds
+        ],
+    )
+    row(
+        f'... of which the collective: UnevenJoin - {FAKED}',
+        [
+            us(by_world[w]['UnevenJoin']['wall'] - by_world[w][FAKED]['wall']) if FAKED in by_world[w] else 'not run'
+            for w in worlds
+        ],
+    )
     add('')
     if info.get('profile'):
-        add(f'cProfile of a stock and an UnevenJoin fit at 2 ranks, rank 0, and the functions whose own time grew '
-            f'most: `{info["profile"].name}` (beside this file).\n')
+        add(
+            f'cProfile of a stock and an UnevenJoin fit at 2 ranks, rank 0, and the functions whose own time grew '
+            f'most: `{info["profile"].name}` (beside this file).\n'
+        )
     return '\n'.join(L) + '\n'
 
 
@@ -469,7 +583,12 @@ def write_chart(path: Path, overheads: list, uneven: list) -> None:
     width = 0.8 / len(worlds)
     for i, world in enumerate(worlds):
         rows = [r for r in join_rows if r['world'] == world]
-        ax.bar([cases.index(r['case']) + i * width for r in rows], [r['vs_limit'] for r in rows], width, label=f'{world} ranks')
+        ax.bar(
+            [cases.index(r['case']) + i * width for r in rows],
+            [r['vs_limit'] for r in rows],
+            width,
+            label=f'{world} ranks',
+        )
     ax.axhline(1.0, color='black', lw=0.8)
     ax.axhline(1.05, color='red', ls='--', label='goal 1.05')
     ax.set_xticks([c + (len(worlds) - 1) * width / 2 for c in range(len(cases))], cases)
@@ -486,8 +605,13 @@ def write_chart(path: Path, overheads: list, uneven: list) -> None:
         width = 0.8 / len(shown)
         for i, m in enumerate(shown):
             rows = {r['case']: r for r in two if r['method'] == m}
-            ax.bar([c + i * width for c in range(len(cases2)) if cases2[c] in rows],
-                   [value(rows[c]) for c in cases2 if c in rows], width, label=m, color=colors[m])
+            ax.bar(
+                [c + i * width for c in range(len(cases2)) if cases2[c] in rows],
+                [value(rows[c]) for c in cases2 if c in rows],
+                width,
+                label=m,
+                color=colors[m],
+            )
         ax.set_xticks([c + (len(shown) - 1) * width / 2 for c in range(len(cases2))], cases2)
         ax.set(title=title, ylabel=ylabel)
 
@@ -501,22 +625,36 @@ def write_chart(path: Path, overheads: list, uneven: list) -> None:
     width = 0.8 / len(methods)
     for i, m in enumerate(methods):
         rows = {r['case']: r for r in two if r['method'] == m}
-        ax.bar([c + i * width for c in range(len(cases2))], [rows[c]['repeated'] / rows[c]['total'] for c in cases2], width,
-               bottom=[rows[c]['distinct'] / rows[c]['total'] for c in cases2], color='none', edgecolor=colors[m],
-               hatch='//', label='repeated (padding)' if m == 'padded' else None)
+        ax.bar(
+            [c + i * width for c in range(len(cases2))],
+            [rows[c]['repeated'] / rows[c]['total'] for c in cases2],
+            width,
+            bottom=[rows[c]['distinct'] / rows[c]['total'] for c in cases2],
+            color='none',
+            edgecolor=colors[m],
+            hatch='//',
+            label='repeated (padding)' if m == 'padded' else None,
+        )
     ax.legend(fontsize=8)
 
     with_no_divide = methods + ((NO_DIVIDE,) if any(r['method'] == NO_DIVIDE for r in two) else ())
     colors[NO_DIVIDE] = '#9fd8b4'
-    grouped(axes[1][1], lambda r: r['loss'], f'Held-out loss after one epoch ({world} ranks)', 'cross-entropy',
-            with_no_divide)
+    grouped(
+        axes[1][1],
+        lambda r: r['loss'],
+        f'Held-out loss after one epoch ({world} ranks)',
+        'cross-entropy',
+        with_no_divide,
+    )
     axes[1][1].set_ylim(0, 1.45 * max(r['loss'] for r in two))
     axes[1][1].legend(fontsize=7, ncol=2, loc='upper left')
 
     ax = axes[1][2]
     shadow_rows = [r for r in join_rows if r['shadow_steps'] > 0]
     xs = range(len(shadow_rows))
-    ax.bar([x - 0.2 for x in xs], [r['shadow_cpu'] / r['real_cpu'] for r in shadow_rows], 0.4, label='main-thread CPU time')
+    ax.bar(
+        [x - 0.2 for x in xs], [r['shadow_cpu'] / r['real_cpu'] for r in shadow_rows], 0.4, label='main-thread CPU time'
+    )
     ax.bar([x + 0.2 for x in xs], [r['shadow_wall'] / r['real_wall'] for r in shadow_rows], 0.4, label='wall time')
     ax.set_xticks(list(xs), [f'{r["world"]} ranks\n{r["case"]}' for r in shadow_rows], fontsize=8)
     ax.set(title='UnevenJoin: shadow step / real step', ylabel='ratio')
@@ -537,12 +675,16 @@ def profile_text(res: dict) -> str:
         return table.get(key, (0, 0.0, 0.0))
 
     grown = sorted(keys, key=lambda k: own(stock['table'], k)[1] - own(join['table'], k)[1])[:30]
-    lines = ['Functions whose own time (tottime) per step grew most, UnevenJoin fit minus stock fit, rank 0, both profiled:',
-             f'{"us/step":>9} {"calls/step stock -> UnevenJoin":>32}  function']
+    lines = [
+        'Functions whose own time (tottime) per step grew most, UnevenJoin fit minus stock fit, rank 0, both profiled:',
+        f'{"us/step":>9} {"calls/step stock -> UnevenJoin":>32}  function',
+    ]
     for k in grown:
         (n0, t0, _), (n1, t1, _) = own(stock['table'], k), own(join['table'], k)
-        lines.append(f'{1e6 * (t1 / join["steps"] - t0 / stock["steps"]):9.0f} '
-                     f'{n0 / stock["steps"]:15.1f} -> {n1 / join["steps"]:<14.1f}  {k}')
+        lines.append(
+            f'{1e6 * (t1 / join["steps"] - t0 / stock["steps"]):9.0f} '
+            f'{n0 / stock["steps"]:15.1f} -> {n1 / join["steps"]:<14.1f}  {k}'
+        )
     return '\n'.join(lines) + '\n\n' + stock['text'] + '\n\n' + join['text']
 
 
@@ -553,10 +695,16 @@ def code_version() -> str:
     """The composer_join code measured: git commit, and whether composer_join/ has uncommitted changes (read-only git)."""
     root = HERE.parent
     try:
-        commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=root, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-        dirty = subprocess.run(['git', '--no-optional-locks', 'status', '--porcelain', '--', 'composer_join'], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.split()
+        commit = subprocess.run(
+            ['git', 'rev-parse', '--short', 'HEAD'], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ['git', '--no-optional-locks', 'status', '--porcelain', '--', 'composer_join'],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return 'unknown (no git)'
     changed = [p for p in dirty if p.startswith('composer_join')]
@@ -573,16 +721,36 @@ def wait_for_quiet(max_seconds: float, threshold: float = 0.7) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description='UnevenJoin benchmarks (see the module docstring).')
     parser.add_argument('--quick', action='store_true', help='smoke run: 2 ranks, tiny shards (< 1 min)')
-    parser.add_argument('--out', type=Path, default=None,
-                        help='directory for results.md and results.png (default: benchmarks/, or a temporary '
-                             'directory with --quick)')
-    parser.add_argument('--wait-quiet', type=float, default=0, metavar='SECONDS',
-                        help='first wait up to SECONDS for the 1-minute load average to drop below 0.7')
-    parser.add_argument('--max-ranks', type=int, default=None, metavar='N',
-                        help='only world sizes up to N (make bench-gpu: the number of GPUs, one per rank)')
-    parser.add_argument('--profile', action='store_true', help='also cProfile a stock and an UnevenJoin fit (profile.txt)')
-    parser.add_argument('--save-raw', type=Path, default=None, metavar='FILE',
-                        help='also pickle every rank\'s raw results (per-step times etc.) to FILE')
+    parser.add_argument(
+        '--out',
+        type=Path,
+        default=None,
+        help='directory for results.md and results.png (default: benchmarks/, or a temporary directory with --quick)',
+    )
+    parser.add_argument(
+        '--wait-quiet',
+        type=float,
+        default=0,
+        metavar='SECONDS',
+        help='first wait up to SECONDS for the 1-minute load average to drop below 0.7',
+    )
+    parser.add_argument(
+        '--max-ranks',
+        type=int,
+        default=None,
+        metavar='N',
+        help='only world sizes up to N (make bench-gpu: the number of GPUs, one per rank)',
+    )
+    parser.add_argument(
+        '--profile', action='store_true', help='also cProfile a stock and an UnevenJoin fit (profile.txt)'
+    )
+    parser.add_argument(
+        '--save-raw',
+        type=Path,
+        default=None,
+        metavar='FILE',
+        help="also pickle every rank's raw results (per-step times etc.) to FILE",
+    )
     args = parser.parse_args(argv)
     out = args.out or (Path(tempfile.mkdtemp(prefix='composer-join-bench-')) if args.quick else HERE)
     out.mkdir(parents=True, exist_ok=True)
@@ -590,7 +758,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not setups:  # e.g. make bench-gpu on fewer GPUs than the smallest world size: say so in the results
         (out / 'results.md').write_text(
             f'# UnevenJoin benchmarks\n\nNot run: every world size ({", ".join(str(s.world) for s in (QUICK if args.quick else FULL))} '
-            f'ranks) is above --max-ranks {args.max_ranks}.\n')
+            f'ranks) is above --max-ranks {args.max_ranks}.\n'
+        )
         print(f'wrote {out / "results.md"}: nothing to run with --max-ranks {args.max_ranks}')
         return 0
 
@@ -607,20 +776,30 @@ def main(argv: Optional[list[str]] = None) -> int:
         planned = calls(s, args.profile)
         print(f'{s.world} ranks: {len(planned)} runs', flush=True)
         t0 = time.perf_counter()
-        res = launch(s.world, planned, timeout=s.timeout, usage=usage,
-                     progress=lambda name: print(f'  {time.perf_counter() - t0:6.1f}s  {name}', flush=True))
+        res = launch(
+            s.world,
+            planned,
+            timeout=s.timeout,
+            usage=usage,
+            progress=lambda name: print(f'  {time.perf_counter() - t0:6.1f}s  {name}', flush=True),
+        )
         foreign = (usage['machine_busy'] - usage['ranks_cpu']) / usage['elapsed']
         disturbed += [s.world] if foreign > DISTURBED else []
-        others.append(f'{foreign:.2f} cores during the {s.world}-rank launch ({usage["elapsed"]:.0f} s; the ranks used '
-                      f'{usage["ranks_cpu"] / usage["elapsed"]:.2f})')
+        others.append(
+            f'{foreign:.2f} cores during the {s.world}-rank launch ({usage["elapsed"]:.0f} s; the ranks used '
+            f'{usage["ranks_cpu"] / usage["elapsed"]:.2f})'
+        )
         if args.save_raw:
             raw[s.world] = res
         overheads.append(analyse_overhead(res, s))
         uneven += analyse_uneven(res, s)
         if s.counts:
             counts = analyse_counts(res)
-        events[s.world] = {'per_step': res['events'][0]['per_step'], 'latency': res['latency'][0],
-                           'stock_engine': res['events|stock'][0]['per_step'].get(ENGINE, 0.0)}
+        events[s.world] = {
+            'per_step': res['events'][0]['per_step'],
+            'latency': res['latency'][0],
+            'stock_engine': res['events|stock'][0]['per_step'].get(ENGINE, 0.0),
+        }
         if 'profile|stock' in res:
             profile = out / 'profile.txt'
             profile.write_text(profile_text(res))
@@ -631,7 +810,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         'date': datetime.datetime.now().strftime('%Y-%m-%d %H:%M'),
         'seconds': time.perf_counter() - start,
         'machine': f'{os.cpu_count()} CPU cores ({platform.machine()}), torch {version("torch")}, '
-                   f'composer {version("mosaicml")}, Python {platform.python_version()}',
+        f'composer {version("mosaicml")}, Python {platform.python_version()}',
         'load_before': ', '.join(f'{v:.2f}' for v in load_before),
         'load_after': ', '.join(f'{v:.2f}' for v in os.getloadavg()),
         'others': '; '.join(others),
@@ -647,8 +826,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     (out / 'results.md').write_text(text)
     write_chart(out / 'results.png', overheads, uneven)
     print(text)
-    print(f'wrote {out / "results.md"}, {out / "results.png"} and {out / "rebalance.png"} in '
-          f'{time.perf_counter() - start:.0f} s')
+    print(
+        f'wrote {out / "results.md"}, {out / "results.png"} and {out / "rebalance.png"} in '
+        f'{time.perf_counter() - start:.0f} s'
+    )
     return 0
 
 

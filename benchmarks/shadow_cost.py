@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import run  # noqa: E402
+import run
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
         for case in cases:
             calls.append((f'{case}|{rep}', *run.method_call('UnevenJoin', run.case_sizes(case, setup.world, longest))))
     res = run.launch(setup.world, calls, timeout=600, usage={}, progress=lambda name: None)
-    print(f'| ranks | case | shadow steps timed | real step CPU ms | shadow step CPU ms | shadow / real, CPU |')
+    print('| ranks | case | shadow steps timed | real step CPU ms | shadow step CPU ms | shadow / real, CPU |')
     print('|---|---|---|---|---|---|')
     for case in cases:
         split: dict[bool, list[float]] = {True: [], False: []}
@@ -43,8 +43,10 @@ def main() -> None:
                 for i in range(run.WARMUP_STEPS, len(r['shadow'])):
                     split[r['shadow'][i]].append(r['step_cpu'][i])
         shadow, real = statistics.median(split[True]), statistics.median(split[False])
-        print(f'| {setup.world} | {case} | {len(split[True])} | {1000 * real:.1f} | {1000 * shadow:.1f} | '
-              f'{shadow / real:.2f} |')
+        print(
+            f'| {setup.world} | {case} | {len(split[True])} | {1000 * real:.1f} | {1000 * shadow:.1f} | '
+            f'{shadow / real:.2f} |'
+        )
 
 
 if __name__ == '__main__':

@@ -72,9 +72,18 @@ def make_module() -> nn.Module:
     """The benchmark's conv net, always with the same initial weights."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(64 * 6 * 6, 256), nn.ReLU(), nn.Linear(256, CLASSES),
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 6 * 6, 256),
+        nn.ReLU(),
+        nn.Linear(256, CLASSES),
     )
 
 
@@ -115,7 +124,7 @@ class Batches:
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int = BATCH):
         self.batch_size = batch_size  # Composer reads it to pick the microbatch size
-        self.batches = [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(y), batch_size)]
+        self.batches = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(y), batch_size)]
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -217,7 +226,11 @@ class AgreementTap:
 
     def _all_reduce(self, tensor, *args, **kwargs):
         world = torch.distributed.get_world_size()
-        if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.int64 and tuple(tensor.shape) == (world, _COLUMNS)):
+        if not (
+            isinstance(tensor, torch.Tensor)
+            and tensor.dtype == torch.int64
+            and tuple(tensor.shape) == (world, _COLUMNS)
+        ):
             return self._original(tensor, *args, **kwargs)
         self.seen += 1
         if self.mode == 'fake':
@@ -271,9 +284,14 @@ def _device() -> torch.device:
     return torch.device('cuda', torch.cuda.current_device()) if DEVICE == 'gpu' else torch.device('cpu')
 
 
-
-def _trainer(loader, join: bool, callbacks: list, sync: Optional[str] = None, microbatch: Optional[int] = None,
-             divide: bool = True):
+def _trainer(
+    loader,
+    join: bool,
+    callbacks: list,
+    sync: Optional[str] = None,
+    microbatch: Optional[int] = None,
+    divide: bool = True,
+):
     model = Classifier()
     return Trainer(
         model=model,
@@ -292,8 +310,14 @@ def _trainer(loader, join: bool, callbacks: list, sync: Optional[str] = None, mi
     ), model
 
 
-def composer_fit(sizes: list[int], join: bool, pad: bool = False, divide: bool = True,
-                 fake_agreement: bool = False, evaluate: bool = True) -> dict[str, Any]:
+def composer_fit(
+    sizes: list[int],
+    join: bool,
+    pad: bool = False,
+    divide: bool = True,
+    fake_agreement: bool = False,
+    evaluate: bool = True,
+) -> dict[str, Any]:
     """One Composer fit of one epoch on this rank's shard (``sizes[rank]`` samples).
 
     ``join``: with ``UnevenJoin(divide_by_initial_world_size=divide)``; ``fake_agreement``: with
@@ -355,8 +379,15 @@ def torch_join_fit(sizes: list[int], pad: bool = False) -> dict[str, Any]:
             step_wall.append(now - last)
             last = now
     wall = time.perf_counter() - start
-    return {'wall': wall, 'steps': len(batches), 'samples': seen, 'loss': held_out_loss(module),
-            'step_wall': step_wall, 'step_cpu': [], 'shadow': []}
+    return {
+        'wall': wall,
+        'steps': len(batches),
+        'samples': seen,
+        'loss': held_out_loss(module),
+        'step_wall': step_wall,
+        'step_cpu': [],
+        'shadow': [],
+    }
 
 
 def count_collectives(sizes: list[int], join: bool, sync: str, microbatch: int) -> dict[str, Any]:
@@ -396,6 +427,7 @@ def event_costs(sizes: list[int], join: bool = True) -> dict[str, Any]:
                 return fn(*args, **kwargs)
             finally:
                 add(name, time.perf_counter() - t)
+
         return wrapper
 
     def iterate(self):
@@ -416,7 +448,9 @@ def event_costs(sizes: list[int], join: bool = True) -> dict[str, Any]:
     original_iter = getattr(getattr(composer_join.loader, 'JoinLoader', None), '__iter__', None) if join else None
     if algorithm is not None:
         original_apply, original_match = algorithm.apply, algorithm.match
-        algorithm.apply = lambda event, state, logger: timed(f'apply {event.value}', original_apply)(event, state, logger)
+        algorithm.apply = lambda event, state, logger: timed(f'apply {event.value}', original_apply)(
+            event, state, logger
+        )
         algorithm.match = timed('match (all events)', original_match)
     if original_iter is not None:
         composer_join.loader.JoinLoader.__iter__ = iterate
@@ -433,8 +467,12 @@ def event_costs(sizes: list[int], join: bool = True) -> dict[str, Any]:
     steps = int(trainer.state.timestamp.batch)
     trainer.close()
     timed_steps = range(min(WARMUP_STEPS, steps - 1), steps)
-    return {'per_step': {name: statistics.median(per_step.get(i, 0.0) for i in timed_steps)
-                         for name, per_step in costs.items()}, 'steps': steps}
+    return {
+        'per_step': {
+            name: statistics.median(per_step.get(i, 0.0) for i in timed_steps) for name, per_step in costs.items()
+        },
+        'steps': steps,
+    }
 
 
 ENGINE = 'Composer engine: _run_algorithms (incl. match + apply)'

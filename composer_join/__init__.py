@@ -13,7 +13,14 @@ from composer_join.passes import install as _install_join_pass
 from composer_join.report import EpochReport
 from composer_join.sampler import ExactDistributedSampler
 
-__all__ = ['CollectiveCounter', 'EpochReport', 'ExactDistributedSampler', 'UnevenInputsError', 'UnevenJoin', 'is_shadow_step']
+__all__ = [
+    'CollectiveCounter',
+    'EpochReport',
+    'ExactDistributedSampler',
+    'UnevenInputsError',
+    'UnevenJoin',
+    'is_shadow_step',
+]
 
 _install_join_pass()  # UnevenJoin's place among the algorithms, per event (composer_join.passes)
 

@@ -69,8 +69,8 @@ from composer_join.rebalance import RebalancingLoader
 from composer_join.refusals import refuse_incompatible
 from composer_join.replan import replan
 from composer_join.report import EpochReport
-from composer_join.settings import row as settings_row
 from composer_join.resume import RankDatasets, own_sample_counts, restore, resume_counts, snapshot, train_position
+from composer_join.settings import row as settings_row
 from composer_join.wrapper import Wrapper, wrapper_for
 
 __all__ = ['UnevenJoin', 'is_shadow_step']
@@ -78,11 +78,30 @@ __all__ = ['UnevenJoin', 'is_shadow_step']
 log = logging.getLogger(__name__)
 
 _STARTS = frozenset((Event.FIT_START, Event.EVAL_START, Event.PREDICT_START))
-_EVENTS = _STARTS | frozenset((
-    Event.EPOCH_START, Event.BEFORE_TRAIN_BATCH, Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.AFTER_LOSS,
-    Event.AFTER_BACKWARD, Event.AFTER_TRAIN_BATCH, Event.EPOCH_END, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD,
-    Event.EVAL_BATCH_START, Event.EVAL_BATCH_END, Event.EVAL_END, Event.FIT_END,
-)) | PREDICT_EVENTS | MICROBATCH_EVENTS | frozenset((Event.AFTER_DATALOADER,))  # every microbatch event: the
+_EVENTS = (
+    _STARTS
+    | frozenset(
+        (
+            Event.EPOCH_START,
+            Event.BEFORE_TRAIN_BATCH,
+            Event.BEFORE_FORWARD,
+            Event.AFTER_FORWARD,
+            Event.AFTER_LOSS,
+            Event.AFTER_BACKWARD,
+            Event.AFTER_TRAIN_BATCH,
+            Event.EPOCH_END,
+            Event.EVAL_BEFORE_FORWARD,
+            Event.EVAL_AFTER_FORWARD,
+            Event.EVAL_BATCH_START,
+            Event.EVAL_BATCH_END,
+            Event.EVAL_END,
+            Event.FIT_END,
+        )
+    )
+    | PREDICT_EVENTS
+    | MICROBATCH_EVENTS
+    | frozenset((Event.AFTER_DATALOADER,))
+)  # every microbatch event: the
 # pass sees only matching algorithms, so UnevenJoin must match them all to keep the others off a shadow microbatch
 # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
 _CHECKPOINTS = frozenset((Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT))
@@ -164,7 +183,7 @@ class UnevenJoin(Algorithm):
             if not isinstance(value, bool):
                 raise TypeError(f'UnevenJoin({name}=...) must be True or False, got {value!r}')
         if mode not in self.MODES:
-            raise ValueError(f"UnevenJoin(mode=...) must be one of {', '.join(map(repr, self.MODES))}; got {mode!r}")
+            raise ValueError(f'UnevenJoin(mode=...) must be one of {", ".join(map(repr, self.MODES))}; got {mode!r}')
         self.mode = mode
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.enable = enable
@@ -324,8 +343,12 @@ class UnevenJoin(Algorithm):
 
     def _fit_start(self, state: State) -> None:
         self._train_loader = self._loader = loader = join_dataloader(
-            state, self._train_loader, self.throw_on_early_termination, rebalance=self.mode == 'rebalance',
-            settings=self._settings)
+            state,
+            self._train_loader,
+            self.throw_on_early_termination,
+            rebalance=self.mode == 'rebalance',
+            settings=self._settings,
+        )
         loader.position = lambda: train_position(state)
         if self._resumed_report is not None:
             loader.report, self._resumed_report = self._resumed_report, None
@@ -333,12 +356,24 @@ class UnevenJoin(Algorithm):
         dataset = state._dataset_of(state.train_dataloader)
         own_sample_counts(dataset, loader.own_shard_samples)
         if RankDatasets.applies(dataset):
-            self._rank_datasets = RankDatasets(state, dataset, loader.own_samples, loader.own_shard_samples,
-                                               lambda: loader.dataloader.sent_bytes(loader.steps)
-                                               if isinstance(loader.dataloader, RebalancingLoader) else 0)
+            self._rank_datasets = RankDatasets(
+                state,
+                dataset,
+                loader.own_samples,
+                loader.own_shard_samples,
+                lambda: (
+                    loader.dataloader.sent_bytes(loader.steps)
+                    if isinstance(loader.dataloader, RebalancingLoader)
+                    else 0
+                ),
+            )
             if self._resumed_ranks is not None and state.dataset_resumption.get('train'):
-                resume_counts(loader, self._rank_datasets.load(self._resumed_ranks), self._resumed_ranks,
-                              mid_epoch=int(state.timestamp.sample_in_epoch) > 0)
+                resume_counts(
+                    loader,
+                    self._rank_datasets.load(self._resumed_ranks),
+                    self._resumed_ranks,
+                    mid_epoch=int(state.timestamp.sample_in_epoch) > 0,
+                )
             self._resumed_ranks = None
         self._wrapper.fit_start(state, lambda: self.plan)
         if not self.pass_seen:
@@ -359,7 +394,8 @@ class UnevenJoin(Algorithm):
             return
         evaluator = next((e for e in state.evaluators if e.label == label), None)
         self._eval_loaders[label] = self._loader = join_dataloader(
-            state, self._eval_loaders.get(label),
+            state,
+            self._eval_loaders.get(label),
             microbatch_size=(lambda: evaluator.device_eval_microbatch_size) if evaluator is not None else None,
             settings=self._settings,
         )
@@ -397,7 +433,9 @@ class UnevenJoin(Algorithm):
                 self._templates[label] = first_samples(state.batch, TEMPLATE_SAMPLES)
             return
         if label not in self._templates:  # never had data of its own: the template other ranks sent
-            self._templates[label] = state.device.batch_to_device(first_samples(self._loader.template, TEMPLATE_SAMPLES))
+            self._templates[label] = state.device.batch_to_device(
+                first_samples(self._loader.template, TEMPLATE_SAMPLES)
+            )
         state.batch = first_samples(self._templates[label], TEMPLATE_SAMPLES)
 
     def _stand_in_for_others(self, state: State) -> bool:
@@ -425,8 +463,11 @@ class UnevenJoin(Algorithm):
         self._wrapper.after_backward(state, self.plan, self._shadow)
         if self._shadow and state.train_metrics:
             template = self._templates[state.dataloader_label]
-            self._metric_states.probe(state.dataloader_label, state.train_metrics,
-                                      shadow_update(state, lambda: first_samples(template, TEMPLATE_SAMPLES)))
+            self._metric_states.probe(
+                state.dataloader_label,
+                state.train_metrics,
+                shadow_update(state, lambda: first_samples(template, TEMPLATE_SAMPLES)),
+            )
             self._stash_metrics(state.train_metrics)
 
     def _stash_metrics(self, metrics: dict) -> None:

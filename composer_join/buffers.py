@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -39,8 +40,10 @@ class BufferGuard:
         if self.armed and not self._saved:
             self._saved = [
                 (owner, name, b, b.detach().clone())
-                for owner in self.module.modules() if not self._keep(owner)
-                for name, b in owner._buffers.items() if b is not None
+                for owner in self.module.modules()
+                if not self._keep(owner)
+                for name, b in owner._buffers.items()
+                if b is not None
             ]
 
     def restore(self) -> None:
@@ -67,7 +70,9 @@ def checkpoint_due(state: Any, event: Any) -> bool:
     from composer.callbacks import CheckpointSaver
 
     return any(
-        isinstance(cb, CheckpointSaver) and callable(cb.save_interval) and cb.save_interval(state, event)
+        isinstance(cb, CheckpointSaver)
+        and callable(cb.save_interval)
+        and cb.save_interval(state, event)
         and cb.last_checkpoint_batch != state.timestamp.batch
         for cb in state.callbacks
     )

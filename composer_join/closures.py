@@ -14,7 +14,7 @@ contributes nothing, and takes the same optimizer step as every rank. The logged
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,7 +27,7 @@ def agree_on_closures(optimizers: Sequence[torch.optim.Optimizer], shadow_step: 
     """Wrap the ``step`` of every optimizer in ``optimizers`` that branches on its closure's loss (idempotent)."""
     for optimizer in optimizers:
         if type(optimizer).__name__ in BRANCHING and not getattr(optimizer.step, 'composer_join', False):
-            optimizer.step = _agreeing_step(optimizer.step, shadow_step)
+            optimizer.step = _agreeing_step(optimizer.step, shadow_step)  # type: ignore[method-assign]  # this instance's
 
 
 def _agreeing_step(step: Callable, shadow_step: Callable[[], bool]) -> Callable:
@@ -46,5 +46,5 @@ def _agreeing_step(step: Callable, shadow_step: Callable[[], bool]) -> Callable:
 
         return step(joined_closure, **kwargs)
 
-    agreeing.composer_join = True
+    agreeing.composer_join = True  # type: ignore[attr-defined]  # marks it as installed
     return agreeing

@@ -32,8 +32,17 @@ class CollectiveCounter(Callback):
         counter.steps[3]  # e.g. {'all_reduce': 5, 'broadcast': 1, 'ddp_grad_bucket': 1}
     """
 
-    KINDS = ('all_reduce', 'broadcast', 'all_gather', 'all_gather_into_tensor', 'reduce_scatter_tensor',
-             'broadcast_object_list', 'all_gather_object', 'barrier', '_broadcast_coalesced')
+    KINDS = (
+        'all_reduce',
+        'broadcast',
+        'all_gather',
+        'all_gather_into_tensor',
+        'reduce_scatter_tensor',
+        'broadcast_object_list',
+        'all_gather_object',
+        'barrier',
+        '_broadcast_coalesced',
+    )
 
     def __init__(self):
         self.total: dict[str, int] = {}

@@ -42,9 +42,9 @@ import enum
 import inspect
 import re
 import typing
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import yaml
 from composer import Trainer
@@ -54,7 +54,14 @@ from omegaconf.errors import OmegaConfBaseException
 from typeguard import CollectionCheckStrategy, TypeCheckError, check_type
 
 from composer_join.registry import (
-    ALGORITHMS, CALLBACKS, LOGGERS, OPTIMIZERS, SCHEDULERS, Registry, UnknownNameError, did_you_mean,
+    ALGORITHMS,
+    CALLBACKS,
+    LOGGERS,
+    OPTIMIZERS,
+    SCHEDULERS,
+    Registry,
+    UnknownNameError,
+    did_you_mean,
 )
 
 __all__ = ['ConfigError', 'build', 'build_one', 'check_kwargs', 'load_config', 'trainer_kwargs']
@@ -217,10 +224,12 @@ def check_kwargs(func: Callable[..., Any], kwargs: Mapping[str, Any], where: str
 def _not_under_trainer(sections: Collection[str]) -> dict[str, str]:
     """Trainer arguments a config does not set under ``trainer:``, and why."""
     script = f"the script's {', '.join(sections)} sections" if sections else 'the script'
-    built = {key: f'is built by {script}, not set under trainer:' for key in ('model', 'train_dataloader',
-                                                                             'eval_dataloader')}
-    moved = {key: f'goes in the top-level {key}: section, not under trainer:' for key in (*COMPONENT_SECTIONS,
-                                                                                          'optimizers')}
+    built = dict.fromkeys(
+        ('model', 'train_dataloader', 'eval_dataloader'), f'is built by {script}, not set under trainer:'
+    )
+    moved = {
+        key: f'goes in the top-level {key}: section, not under trainer:' for key in (*COMPONENT_SECTIONS, 'optimizers')
+    }
     return {**built, **moved}
 
 
@@ -244,7 +253,7 @@ def _build(registry: Registry, spec: Any, where: str, problems: list[str], *args
             continue
         before = len(problems)
         sig = _signature(factory)
-        supplied = list(sig.parameters)[:len(args)] if sig is not None else []
+        supplied = list(sig.parameters)[: len(args)] if sig is not None else []
         reserved = dict.fromkeys(supplied, 'is supplied by the script, not by the config')
         kwargs = _check_call(factory, kwargs, at, problems, supplied=supplied, reserved=reserved)
         if len(problems) == before:
@@ -274,8 +283,10 @@ def _entries(spec: Any, where: str, problems: list[str]) -> list[tuple[str, Any,
             else:
                 problems.append(f'{at}: expected a name or {{name: {{kwargs}}}}, got {item!r}')
         return entries
-    problems.append(f'{where}: expected a name, a list of names and {{name: {{kwargs}}}}, or a mapping '
-                    f'{{name: {{kwargs}}}}; got {spec!r}')
+    problems.append(
+        f'{where}: expected a name, a list of names and {{name: {{kwargs}}}}, or a mapping '
+        f'{{name: {{kwargs}}}}; got {spec!r}'
+    )
     return []
 
 
@@ -308,8 +319,11 @@ def _check_call(
                 out[key] = _conform(value, hints[key]) if key in hints else value
             except TypeError as e:
                 problems.append(f'{at}: {e}')
-    missing = [n for n in names if sig.parameters[n].default is inspect.Parameter.empty
-               and n not in kwargs and n not in supplied]
+    missing = [
+        n
+        for n in names
+        if sig.parameters[n].default is inspect.Parameter.empty and n not in kwargs and n not in supplied
+    ]
     if missing:
         problems.append(f'{where}: missing required argument(s) of {_name(func)}: {", ".join(missing)}')
     return out

@@ -25,7 +25,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from composer.core import DataSpec, State
 from composer.core.data_spec import _default_split_batch
@@ -54,7 +55,7 @@ def unwrapped_split(spec: DataSpec) -> Callable[[Any, Any], Any]:
     """``spec.split_batch`` without UnevenJoin's wrappers (:class:`ShadowSplit`, FSDP's ``MicrobatchPadding``)."""
     split = spec.split_batch
     while getattr(split, 'uneven_join_wrapper', False):
-        split = split.split
+        split = split.split  # type: ignore[attr-defined]  # one of UnevenJoin's wrappers
     return split
 
 
@@ -106,5 +107,3 @@ class ShadowSplit:
         if count_samples(self.spec, batch) == 0:
             return [batch]
         return self.split(batch, microbatch_size)
-
-

@@ -23,7 +23,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 from composer.core import State
@@ -31,13 +32,19 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
 from composer_join.buffers import BufferGuard
+from composer_join.errors import UnevenInputsError
 from composer_join.fsdp import MicrobatchPadding, train_data_spec
 from composer_join.gradients import share_grad_presence
 from composer_join.oom import OOMChecks
 from composer_join.plan import StepPlan
-from composer_join.errors import UnevenInputsError
-from composer_join.shadow import DDPShadow, ForwardProbe, LossShape, connected_zero_loss, forward_communicates, \
-    skippable
+from composer_join.shadow import (
+    DDPShadow,
+    ForwardProbe,
+    LossShape,
+    connected_zero_loss,
+    forward_communicates,
+    skippable,
+)
 from composer_join.wrapper import Wrapper
 
 __all__ = ['BufferSource', 'DDPWrapper', 'MicrobatchSync', 'broadcast_buffers_from', 'sync_buffers']
@@ -207,8 +214,9 @@ class DDPWrapper(Wrapper):
             elif forward_communicates(ddp.module):
                 self.mode = 'zero'
             self._loss_shape = self._stand_in.loss_shape if self._stand_in is not None else LossShape()
-            self._guard = BufferGuard(ddp.module, keep=lambda m: self.mode == 'zero' and isinstance(
-                m, torch.nn.SyncBatchNorm))
+            self._guard = BufferGuard(
+                ddp.module, keep=lambda m: self.mode == 'zero' and isinstance(m, torch.nn.SyncBatchNorm)
+            )
         if self._probe is not None:
             self._probe.armed, self._probe.found = True, []
         spec = train_data_spec(state)
@@ -216,8 +224,14 @@ class DDPWrapper(Wrapper):
             # Forwards that communicate ('zero'): every rank runs the step's largest microbatch count (FSDP's
             # padding, reused). Otherwise only count microbatches, for automatic microbatching's OOM checks.
             pad = self.mode == 'zero'
-            MicrobatchPadding.install(spec, plan, state.device.tensor_to_device, pad=pad, checks=self._oom,
-                                      needed=lambda: pad or state.auto_microbatching)
+            MicrobatchPadding.install(
+                spec,
+                plan,
+                state.device.tensor_to_device,
+                pad=pad,
+                checks=self._oom,
+                needed=lambda: pad or state.auto_microbatching,
+            )
             if pad:
                 self._padding = spec.split_batch
                 self._sync.padded = lambda: self._padding.last_count
@@ -268,7 +282,7 @@ class DDPWrapper(Wrapper):
     def _communicating_forward(self, plan: StepPlan) -> UnevenInputsError:
         kinds = ', '.join(sorted(set(self._probe.found)))
         return UnevenInputsError(
-            f'at step {plan.step} rank(s) {plan.joined_ranks} must shadow, but the model\'s forward issues collectives '
+            f"at step {plan.step} rank(s) {plan.joined_ranks} must shadow, but the model's forward issues collectives "
             f'({kinds}, seen in its first forward on every rank). Under DDP a shadow microbatch runs no forward, so '
             f'they would not be matched. If the forward all-reduces statistics and accepts a zero-sample input that '
             f'contributes nothing (as torch.nn.SyncBatchNorm does), set shadow_forward = True on that module: shadow '

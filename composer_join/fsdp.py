@@ -32,7 +32,8 @@ to the same parameters on every rank. Three pieces see to that:
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional, cast
 
 import torch
 from composer.core import DataSpec, State
@@ -70,12 +71,18 @@ class MicrobatchPadding:
     """
 
     uneven_join_wrapper = True  # composer_join.dataspec.unwrapped_split sees through it
-    count: Optional[Callable[[Any], int]] = None  # the DataSpec's get_num_samples_in_batch (set by FSDPWrapper)
+    count: Optional[Callable[[Any], float]] = None  # the DataSpec's get_num_samples_in_batch (set by FSDPWrapper)
     failures: Optional[list] = None  # if set, errors go here, to be raised on every rank at once (FSDPWrapper)
 
-    def __init__(self, split: Callable[[Any, Any], Any], plan: Callable[[], Optional[StepPlan]],
-                 to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, pad: bool = True,
-                 checks: Optional[OOMChecks] = None, needed: Callable[[], bool] = lambda: True):
+    def __init__(
+        self,
+        split: Callable[[Any, Any], Any],
+        plan: Callable[[], Optional[StepPlan]],
+        to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        pad: bool = True,
+        checks: Optional[OOMChecks] = None,
+        needed: Callable[[], bool] = lambda: True,
+    ):
         self.split = split
         self.plan = plan
         self.to_device = to_device
@@ -85,16 +92,27 @@ class MicrobatchPadding:
         self.last_count = 0  # microbatches of the last split, padding included
 
     @classmethod
-    def install(cls, spec: DataSpec, plan: Callable[[], Optional[StepPlan]],
-                to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, pad: bool = True,
-                checks: Optional[OOMChecks] = None, needed: Callable[[], bool] = lambda: True) -> None:
+    def install(
+        cls,
+        spec: DataSpec,
+        plan: Callable[[], Optional[StepPlan]],
+        to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        pad: bool = True,
+        checks: Optional[OOMChecks] = None,
+        needed: Callable[[], bool] = lambda: True,
+    ) -> None:
         """Pad ``spec``'s microbatches from now on (once per ``DataSpec``; again only updates the settings)."""
         if not isinstance(spec.split_batch, cls):
             spec.split_batch = cls(spec.split_batch, plan, to_device, pad, checks, needed)
         else:
             padding = spec.split_batch
             padding.plan, padding.to_device, padding.pad, padding.checks, padding.needed = (
-                plan, to_device, pad, checks, needed)
+                plan,
+                to_device,
+                pad,
+                checks,
+                needed,
+            )
 
     def __call__(self, batch: Any, microbatch_size: Any) -> list:
         microbatches = list(self.split(batch, microbatch_size))
@@ -113,22 +131,28 @@ class MicrobatchPadding:
         if self.checks is not None:
             self.checks.own, self.checks.target = target if self.pad else len(microbatches), target
         if len(microbatches) > target:
-            return self._fail(microbatches, UnevenInputsError(
-                f'split_batch gave {len(microbatches)} microbatches on rank {dist.get_global_rank()} at step '
-                f'{plan.step}, more than the {target} counted when the batch was fetched (with the DataSpec\'s '
-                f'split_batch, before its batch_transforms); under FSDP every rank runs the step\'s largest count, '
-                f'so a batch must split the same way when fetched and when trained (a batch_transforms that adds '
-                f'samples, e.g., does not).',
-            ))
+            return self._fail(
+                microbatches,
+                UnevenInputsError(
+                    f'split_batch gave {len(microbatches)} microbatches on rank {dist.get_global_rank()} at step '
+                    f"{plan.step}, more than the {target} counted when the batch was fetched (with the DataSpec's "
+                    f"split_batch, before its batch_transforms); under FSDP every rank runs the step's largest count, "
+                    f'so a batch must split the same way when fetched and when trained (a batch_transforms that adds '
+                    f'samples, e.g., does not).',
+                ),
+            )
         if not self.pad:
             return microbatches
         padding = [first_samples(microbatches[0], 0) for _ in range(target - len(microbatches))]
         if padding and not _counts_as_empty(padding[0], self.count):
-            return self._fail(microbatches, UnevenInputsError(
-                f'rank {dist.get_global_rank()} must pad step {plan.step} with {len(padding)} empty microbatches, but '
-                f'its microbatches are not made of tensors that Composer\'s default DataSpec can count; under FSDP '
-                f'with microbatching, batches must be tensors (or tuples, lists, dicts of them).',
-            ))
+            return self._fail(
+                microbatches,
+                UnevenInputsError(
+                    f'rank {dist.get_global_rank()} must pad step {plan.step} with {len(padding)} empty microbatches, but '
+                    f"its microbatches are not made of tensors that Composer's default DataSpec can count; under FSDP "
+                    f'with microbatching, batches must be tensors (or tuples, lists, dicts of them).',
+                ),
+            )
         self.last_count = len(microbatches) + len(padding)
         return microbatches + padding
 
@@ -140,7 +164,7 @@ class MicrobatchPadding:
         return microbatches
 
 
-def _counts_as_empty(batch: Any, count: Optional[Callable[[Any], int]] = None) -> bool:
+def _counts_as_empty(batch: Any, count: Optional[Callable[[Any], float]] = None) -> bool:
     """Whether the ``DataSpec`` (``count``; Composer's default if None) counts ``batch`` as zero samples, as UnevenJoin's shadow test does."""
     try:
         return (count(batch) if count is not None else DataSpec._default_get_num_samples_in_batch(None, batch)) == 0
@@ -169,7 +193,7 @@ class GradientUnits:
                 self._fsdp1.append((', '.join(flat._fqns), flat))
             elif isinstance(module, FSDPModule):
                 group = module._get_fsdp_state()._fsdp_param_group
-                for fsdp_param in (group.fsdp_params if group is not None else []):
+                for fsdp_param in group.fsdp_params if group is not None else []:
                     self._fsdp2.append((names.get(id(fsdp_param.sharded_param), fsdp_param._param_fqn), fsdp_param))
 
     def __len__(self) -> int:
@@ -181,8 +205,13 @@ class GradientUnits:
         leaves += [getattr(p, '_unsharded_param', None) for _, p in self._fsdp2]
         return leaves
 
-    def check(self, loss: Any, plan: StepPlan, to_device: Callable[[torch.Tensor], torch.Tensor],
-              failure: Optional[BaseException] = None) -> None:
+    def check(
+        self,
+        loss: Any,
+        plan: StepPlan,
+        to_device: Callable[[torch.Tensor], torch.Tensor],
+        failure: Optional[BaseException] = None,
+    ) -> None:
         """Raise :class:`UnevenInputsError` on every rank if ``loss`` reaches a unit that another rank's does not.
 
         The used-unit flags are known on the host (from the graph walk) and all-reduced on the host, over
@@ -194,25 +223,28 @@ class GradientUnits:
         reached = _autograd_leaves(loss)
         world, rank = dist.get_world_size(), dist.get_global_rank()
         flags = [int(failure is not None and r == rank) for r in range(world)]
-        used = torch.tensor([leaf is not None and id(leaf) in reached for leaf in self._leaves()] + flags,
-                            dtype=torch.int32)
+        used = torch.tensor(
+            [leaf is not None and id(leaf) in reached for leaf in self._leaves()] + flags, dtype=torch.int32
+        )
         torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.SUM, group=host_group())  # CPU tensor, gloo
-        used, failed = used[:len(self)], [r for r, f in enumerate(used[len(self):].tolist()) if f]
+        used, failed = used[: len(self)], [r for r, f in enumerate(used[len(self) :].tolist()) if f]
         if failure is not None:
             raise failure
         if failed:
-            raise UnevenInputsError(f'rank(s) {failed} cannot run step {plan.step} under FSDP (their microbatches '
-                                    f'cannot be padded to the others\' count); every rank stops here, they raise the cause')
+            raise UnevenInputsError(
+                f'rank(s) {failed} cannot run step {plan.step} under FSDP (their microbatches '
+                f"cannot be padded to the others' count); every rank stops here, they raise the cause"
+            )
         names = [n for n, _ in self._fsdp1] + [n for n, _ in self._fsdp2]
         partial = [(names[i], int(c)) for i, c in enumerate(used.tolist()) if 0 < c < world]
         if partial:
             which = '; '.join(f'{name} (used on {count} of {world} ranks)' for name, count in partial)
             raise UnevenInputsError(
-                f'at step {plan.step}, ranks\' microbatches give gradients to different parameters under FSDP: '
+                f"at step {plan.step}, ranks' microbatches give gradients to different parameters under FSDP: "
                 f'{which}. FSDP reduce-scatters a gradient unit (an FSDP2 parameter, an FSDP1 flat parameter) only on '
-                f'ranks that used it and has no find_unused_parameters, so the ranks\' reduce-scatters would not '
+                f"ranks that used it and has no find_unused_parameters, so the ranks' reduce-scatters would not "
                 f'match (a hang, a crash or mixed-up gradients). Every microbatch must use the same '
-                f'parameters on every rank (shadow microbatches run two samples of this rank\'s first batch): make '
+                f"parameters on every rank (shadow microbatches run two samples of this rank's first batch): make "
                 f'the forward use every parameter (e.g. multiply an unused branch by zero instead of skipping it), '
                 f'or train this model with DDP, where UnevenJoin supports unused parameters.',
             )
@@ -286,7 +318,7 @@ class FSDPWrapper(Wrapper):
         spec = train_data_spec(state)
         if spec is None:
             raise UnevenInputsError(
-                'UnevenJoin under FSDP could not find the Trainer\'s train DataSpec to pad microbatches; it must run '
+                "UnevenJoin under FSDP could not find the Trainer's train DataSpec to pad microbatches; it must run "
                 'inside composer.Trainer.fit()',
             )
         MicrobatchPadding.install(spec, plan, state.device.tensor_to_device, checks=self._oom)
@@ -294,9 +326,10 @@ class FSDPWrapper(Wrapper):
 
     def _use_counts(self, spec: DataSpec) -> None:
         """Pad with the DataSpec's own sample count; padding errors are raised on every rank at the first loss."""
-        spec.split_batch.count = spec.get_num_samples_in_batch
+        padding = cast(MicrobatchPadding, spec.split_batch)  # installed just before
+        padding.count = spec.get_num_samples_in_batch
         if len(self._units):
-            spec.split_batch.failures = self._failures
+            padding.failures = self._failures
 
     def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
@@ -304,7 +337,9 @@ class FSDPWrapper(Wrapper):
             if evaluator.label == state.dataloader_label and isinstance(evaluator.dataloader, DataSpec):
                 MicrobatchPadding.install(evaluator.dataloader, plan, state.device.tensor_to_device)
                 spec = evaluator.dataloader
-                spec.split_batch.count = spec.get_num_samples_in_batch  # eval has no loss: errors raise at once
+                cast(
+                    MicrobatchPadding, spec.split_batch
+                ).count = spec.get_num_samples_in_batch  # eval: errors raise at once
 
     def _attach(self, state: State) -> None:
         if state.model is not self._model:
@@ -326,7 +361,7 @@ class FSDPWrapper(Wrapper):
         if shadow:
             self._guard.armed = True
             if self._loss_shape.known:  # else (no real loss seen yet on this rank) the model's own, on the template
-                state.model.loss = lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
+                state.model.loss = lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)  # type: ignore[assignment]
                 self._stand_in = True
         return False
 

@@ -18,7 +18,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from composer.utils import dist

@@ -32,26 +32,34 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Optional
 
 import torch
+from composer.core import DataSpec, State
+from composer.utils import dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from composer_join.batches import first_samples, to_cpu
 from composer_join.dataspec import ShadowSplit, count_microbatches, count_samples, spec_for
 from composer_join.errors import UnevenInputsError
 from composer_join.plan import (
-    Agreement, RankStatus, StepPlan, agree_on_failures, agree_on_length, len_or_none, plan_from_lengths,
+    Agreement,
+    RankStatus,
+    StepPlan,
+    agree_on_failures,
+    agree_on_length,
+    len_or_none,
+    plan_from_lengths,
     steps_planned_from_lengths,
 )
 from composer_join.readahead import IDLE, ReadAheadRebalancer, rebalanced_without_len
 from composer_join.rebalance import RebalancingLoader, rebalanced
 from composer_join.report import EpochReport
-from composer_join.structure import describe as describe_structure, fingerprint
-from composer.core import DataSpec, State
-from composer.utils import dist
+from composer_join.structure import describe as describe_structure
+from composer_join.structure import fingerprint
 
-__all__ = ['JoinLoader', 'TEMPLATE_SAMPLES', 'join_dataloader', 'pads_by_repeating']
+__all__ = ['TEMPLATE_SAMPLES', 'JoinLoader', 'join_dataloader', 'pads_by_repeating']
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +169,7 @@ class JoinLoader:
 
     def __len__(self) -> int:
         if self.length is None:
-            raise TypeError('some rank\'s train dataloader has no len(), so the epoch length is unknown')
+            raise TypeError("some rank's train dataloader has no len(), so the epoch length is unknown")
         return self.length
 
     def count(self, batch: Any) -> int:
@@ -214,8 +222,11 @@ class JoinLoader:
                     self.report.record(plan)
                 # Fetch the next batch (and start its agreement) now: it completes while this step trains.
                 # With a known length Composer asks for no batch past it, so none is fetched.
-                pending = None if self.length is not None and step + 1 >= self.length else \
-                    self._fetch_and_agree(batches, step + 1, planned)
+                pending = (
+                    None
+                    if self.length is not None and step + 1 >= self.length
+                    else self._fetch_and_agree(batches, step + 1, planned)
+                )
                 self.steps = step + 1
                 if status.has_batch:
                     self.trained = -1 if min(self.trained, status.samples) < 0 else self.trained + status.samples
@@ -273,7 +284,7 @@ class JoinLoader:
         return UnevenInputsError(
             f'the dataloader of rank(s) {ranks} ran out after {step} batches in epoch {self.epoch}, fewer '
             f'than its len() promised (this rank: len() {self.own_length}); the epoch length, and so schedules '
-            f'and durations, would silently be wrong. Make __len__ of each rank\'s dataset match what it yields, '
+            f"and durations, would silently be wrong. Make __len__ of each rank's dataset match what it yields, "
             f'or remove __len__.',
         )
 
@@ -299,9 +310,22 @@ class JoinLoader:
                 overflow = False
                 if self.check_overflow and self.length is not None and step == self.length - 1:
                     overflow = _has_more(batches)
-                return batch, RankStatus(True, samples, microbatches, overflow=overflow, structure=fingerprint(batch)), None
-        return None, RankStatus(has_batch=False, samples=0, microbatches=1, needs_template=self.template is None,
-                                structure=0 if self.template is None else fingerprint(self.template)), None
+                return (
+                    batch,
+                    RankStatus(True, samples, microbatches, overflow=overflow, structure=fingerprint(batch)),
+                    None,
+                )
+        return (
+            None,
+            RankStatus(
+                has_batch=False,
+                samples=0,
+                microbatches=1,
+                needs_template=self.template is None,
+                structure=0 if self.template is None else fingerprint(self.template),
+            ),
+            None,
+        )
 
     def _raise_if_needed(self, plan: StepPlan, error: Optional[BaseException], batch: Any = None) -> None:
         failed = [r for r, s in enumerate(plan.statuses) if s.failed]
@@ -318,7 +342,7 @@ class JoinLoader:
             raise UnevenInputsError(
                 f'the dataloader of rank(s) {overflow} yielded more than the {self.length} batches per epoch '
                 f'that the longest len() promised; the extra batches would be silently dropped. Make __len__ of '
-                f'each rank\'s dataset match what it yields, or remove __len__ so the epoch ends when data does.',
+                f"each rank's dataset match what it yields, or remove __len__ so the epoch ends when data does.",
             )
         short = [r for r, s in enumerate(plan.statuses) if s.short]
         if short:
@@ -329,8 +353,8 @@ class JoinLoader:
             per_rank = '; '.join(f'rank {r}: {d}' for r, d in enumerate(structures))
             raise UnevenInputsError(
                 f'at step {plan.step} of epoch {self.epoch} rank(s) {plan.joined_ranks} shadow with a batch shaped '
-                f'after another step\'s or another rank\'s, but the batches differ in structure ({per_rank}). A shadow '
-                f'batch copies container types, keys, tensor dtypes and dimensions; make every rank\'s dataloader '
+                f"after another step's or another rank's, but the batches differ in structure ({per_rank}). A shadow "
+                f"batch copies container types, keys, tensor dtypes and dimensions; make every rank's dataloader "
                 f'yield one structure at every step.',
             )
         if self.throw_on_early_termination and plan.active_ranks and plan.joined_ranks:
@@ -347,12 +371,20 @@ class JoinLoader:
         dist.broadcast_object_list(box, src=source)
         if self.template is None:
             self.template = box[0]
-            log.info('rank %d has no data of its own; shaped its shadow batches after rank %d', dist.get_global_rank(), source)
+            log.info(
+                'rank %d has no data of its own; shaped its shadow batches after rank %d',
+                dist.get_global_rank(),
+                source,
+            )
 
 
 def join_dataloader(
-    state: State, cached: Optional[JoinLoader] = None, throw: bool = False, microbatch_size: Any = None,
-    rebalance: bool = False, settings: Sequence[int] = (),
+    state: State,
+    cached: Optional[JoinLoader] = None,
+    throw: bool = False,
+    microbatch_size: Any = None,
+    rebalance: bool = False,
+    settings: Sequence[int] = (),
 ) -> JoinLoader:
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
@@ -375,13 +407,15 @@ def join_dataloader(
     if rebalance and own_len is not None and current is not None:
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
     shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device, settings)
-    lengths = own_lens
+    lengths: Optional[list[Optional[int]]] = own_lens
     if rebalance and None in own_lens:  # some rank has no len(): rebalanced step by step (composer_join.readahead)
-        dataloader, shared, check_overflow, lengths = rebalanced_without_len(dataloader, own_lens,
-                                                                             state.device.tensor_to_device)
+        dataloader, shared, check_overflow, lengths = rebalanced_without_len(
+            dataloader, own_lens, state.device.tensor_to_device
+        )
     elif rebalance:  # the lengths are then each rank's assigned batches, own and received
-        dataloader, shared, check_overflow, lengths = rebalanced(dataloader, own_lens, shared, check_overflow,
-                                                                 state.device.tensor_to_device)
+        dataloader, shared, check_overflow, lengths = rebalanced(
+            dataloader, own_lens, shared, check_overflow, state.device.tensor_to_device
+        )
     if microbatch_size is None:
         size = lambda: state.device_train_microbatch_size  # noqa: E731 (read when used: auto microbatching)
     else:
@@ -405,8 +439,12 @@ def join_dataloader(
         loader.dataloader.count = lambda batch: loader.describe(batch)[0]
     label = state.dataloader_label
     state.set_dataloader(loader, label, -1 if shared is None else shared)
-    log.info('UnevenJoin: %s batches per rank %s; every rank runs %s steps.', label, own_lens,
-             shared if shared is not None else 'until the last rank runs out')
+    log.info(
+        'UnevenJoin: %s batches per rank %s; every rank runs %s steps.',
+        label,
+        own_lens,
+        shared if shared is not None else 'until the last rank runs out',
+    )
     return loader
 
 

@@ -31,19 +31,31 @@ list unchanged.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from composer.core import Algorithm, Event
 
-__all__ = ['join_pass', 'install']
+__all__ = ['install', 'join_pass']
 
-MICROBATCH_EVENTS = frozenset((
-    Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS, Event.BEFORE_BACKWARD,
-    Event.AFTER_BACKWARD, Event.EVAL_BEFORE_FORWARD, Event.EVAL_AFTER_FORWARD, Event.PREDICT_BEFORE_FORWARD,
-    Event.PREDICT_AFTER_FORWARD,
-))
+MICROBATCH_EVENTS = frozenset(
+    (
+        Event.BEFORE_FORWARD,
+        Event.AFTER_FORWARD,
+        Event.BEFORE_LOSS,
+        Event.AFTER_LOSS,
+        Event.BEFORE_BACKWARD,
+        Event.AFTER_BACKWARD,
+        Event.EVAL_BEFORE_FORWARD,
+        Event.EVAL_AFTER_FORWARD,
+        Event.PREDICT_BEFORE_FORWARD,
+        Event.PREDICT_AFTER_FORWARD,
+    )
+)
 _LAST = frozenset(e for e in Event if e.name.startswith('AFTER_')) | {
-    Event.BEFORE_BACKWARD, Event.FIT_START, Event.EVAL_START, Event.PREDICT_START,
+    Event.BEFORE_BACKWARD,
+    Event.FIT_START,
+    Event.EVAL_START,
+    Event.PREDICT_START,
 }
 
 
@@ -68,7 +80,7 @@ def _with_join_pass(default_passes):
         found = default_passes()
         return found if join_pass in found else [*found, join_pass]
 
-    passes.composer_join = True
+    passes.composer_join = True  # type: ignore[attr-defined]  # marks it as installed
     return passes
 
 

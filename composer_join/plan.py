@@ -18,16 +18,26 @@ and no collective at all. Only the steps from the shortest rank's last batch on 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from composer.utils import dist
 
-from composer_join.settings import check as check_settings, mismatch_error
+from composer_join.settings import check as check_settings
+from composer_join.settings import mismatch_error
 
-__all__ = ['Agreement', 'RankStatus', 'StepPlan', 'agree_on_failures', 'agree_on_length', 'len_or_none', 'plan_from_lengths',
-           'steps_planned_from_lengths']
+__all__ = [
+    'Agreement',
+    'RankStatus',
+    'StepPlan',
+    'agree_on_failures',
+    'agree_on_length',
+    'len_or_none',
+    'plan_from_lengths',
+    'steps_planned_from_lengths',
+]
 
 
 @dataclass(frozen=True)
@@ -51,7 +61,7 @@ class RankStatus:
         return [int(getattr(self, f.name)) for f in fields(self)]
 
     @classmethod
-    def from_row(cls, row: list[int]) -> 'RankStatus':
+    def from_row(cls, row: list[int]) -> RankStatus:
         """The inverse of :meth:`row` (field types are strings here: ``from __future__ import annotations``)."""
         return cls(*(bool(v) if f.type == 'bool' else int(v) for f, v in zip(fields(cls), row)))  # type: ignore[arg-type]
 
@@ -103,7 +113,7 @@ class StepPlan:
         counts = {s.microbatches for s in self.statuses}
         return len(counts) == 1 and 0 not in counts
 
-    def recounted(self, microbatch_size: Any) -> 'StepPlan':
+    def recounted(self, microbatch_size: Any) -> StepPlan:
         """This plan with each rank's microbatch count for ``microbatch_size``, from its agreed samples.
 
         Composer's automatic microbatching halves the microbatch size after a CUDA OOM and splits
@@ -112,6 +122,7 @@ class StepPlan:
         Composer's default split), a shadowing rank into one; a rank whose samples are unknown
         (a step planned from the lengths, an uncountable batch) gets ``0``, unknown. No communication.
         """
+
         def count(s: RankStatus) -> int:
             if not s.has_batch:
                 return s.microbatches
@@ -152,9 +163,7 @@ class Agreement:
     def plan(self) -> StepPlan:
         """Wait for every rank's row and return the common plan."""
         self._work.wait()
-        statuses = tuple(
-            RankStatus.from_row(row) for row in self._table.cpu().tolist()
-        )
+        statuses = tuple(RankStatus.from_row(row) for row in self._table.cpu().tolist())
         return StepPlan(step=self.step, statuses=statuses)
 
 
@@ -231,8 +240,9 @@ def agree_on_length(
         whether the shared length is the full longest ``len()`` (so batches past it would be lost),
         and every rank's own length.
     """
-    table, work = _exchange_rows([-1 if own_len is None else own_len, -1 if current_len is None else current_len,
-                                  *settings], to_device)
+    table, work = _exchange_rows(
+        [-1 if own_len is None else own_len, -1 if current_len is None else current_len, *settings], to_device
+    )
     try:
         work.wait()
     except RuntimeError as e:  # e.g. gloo: 'Connection reset by peer' once a rank without UnevenJoin aborted

@@ -26,8 +26,9 @@ from composer_join.batches import first_samples
 
 __all__ = ['PREDICT_EVENTS', 'empty_outputs']
 
-PREDICT_EVENTS = frozenset((Event.PREDICT_START, Event.PREDICT_BEFORE_FORWARD, Event.PREDICT_AFTER_FORWARD,
-                            Event.PREDICT_END))
+PREDICT_EVENTS = frozenset(
+    (Event.PREDICT_START, Event.PREDICT_BEFORE_FORWARD, Event.PREDICT_AFTER_FORWARD, Event.PREDICT_END)
+)
 
 
 def empty_outputs(state: State) -> None:

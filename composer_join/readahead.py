@@ -50,7 +50,8 @@ from __future__ import annotations
 import collections
 import logging
 import pickle
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Optional
 
 import torch
 from composer.utils import dist
@@ -138,7 +139,7 @@ class ReadAheadRebalancer(RebalancingLoader):
         # Not RebalancingLoader.__init__: there is no schedule to compute. The transfer methods
         # (_send, _receive) and complete() use only the attributes set here.
         self.dataloader = dataloader
-        self.counts = list(world_counts)
+        self.counts = list(world_counts)  # type: ignore[arg-type]  # None: a rank without len()
         self.rank, self.world = dist.get_global_rank(), dist.get_world_size()
         self.to_device = to_device
         self.bytes_sent = self.bytes_received = 0
@@ -154,7 +155,7 @@ class ReadAheadRebalancer(RebalancingLoader):
         raise TypeError('with rebalancing without len(), the number of batches a rank trains is not known ahead')
 
     @property
-    def length(self) -> Optional[int]:
+    def length(self) -> Optional[int]:  # type: ignore[override]  # not known ahead
         return None
 
     def _zero_counts(self) -> dict[str, list[int]]:
@@ -190,7 +191,9 @@ class ReadAheadRebalancer(RebalancingLoader):
                 log.warning(
                     "UnevenJoin(mode='rebalance'): rank(s) %s hold a batch that cannot be sent to another rank "
                     "(only dense tensors and picklable objects can); falling back to shadowing (mode='shadow') "
-                    "for the rest of this fit: ranks that run out of data shadow the others.", unsendable)
+                    'for the rest of this fit: ranks that run out of data shadow the others.',
+                    unsendable,
+                )
 
     # -- iterating ------------------------------------------------------------------------------
 
@@ -222,12 +225,15 @@ class ReadAheadRebalancer(RebalancingLoader):
             held_bytes = sum(_nbytes(b) for b in source.buffer)
             self.peak_held = max(self.peak_held, len(source.buffer))
             self.peak_held_bytes = max(self.peak_held_bytes, held_bytes)
-            self._columns = {'held': len(source.buffer), 'drained': source.drained,
-                             'unsendable': self._columns['unsendable']}
+            self._columns = {
+                'held': len(source.buffer),
+                'drained': source.drained,
+                'unsendable': self._columns['unsendable'],
+            }
             yield batch
             step += 1
 
-    def _first_rows(self, source: '_Source') -> list[tuple[int, bool]]:
+    def _first_rows(self, source: _Source) -> list[tuple[int, bool]]:
         """Fill the buffer and exchange every rank's ``(held, drained)``: one all-reduce of ``2 * W`` integers per epoch.
 
         A rank whose dataloader raises here still takes part (reporting ``-1``), so no rank waits;
@@ -247,11 +253,13 @@ class ReadAheadRebalancer(RebalancingLoader):
             raise failure
         failed = [r for r, (h, _) in enumerate(rows) if h < 0]
         if failed:
-            raise UnevenInputsError(f'rank(s) {failed} could not read the first batches of the epoch (their dataloader '
-                                    f'raised); every rank stops, the failing rank raises the cause')
+            raise UnevenInputsError(
+                f'rank(s) {failed} could not read the first batches of the epoch (their dataloader '
+                f'raised); every rank stops, the failing rank raises the cause'
+            )
         return rows
 
-    def _give(self, source: '_Source', receivers: list[int], step: int) -> None:
+    def _give(self, source: _Source, receivers: list[int], step: int) -> None:
         """Send one batch to each receiver, in order: buffered ones first, then fresh ones."""
         failure: Optional[BaseException] = None
         for q in receivers:

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import logging
 import pickle
-from typing import Any, Callable, Iterable, Iterator, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Optional
 
 import torch
 from composer.utils import dist
@@ -181,14 +182,17 @@ class RebalancingLoader:
         dist.all_reduce(sent, reduce_operation='SUM')
         counts = self.counts_per_rank()
         report.own_batches, report.received_batches, report.given_batches = (
-            counts['own_batches'], counts['received_batches'], counts['given_batches'])
+            counts['own_batches'],
+            counts['received_batches'],
+            counts['given_batches'],
+        )
         report.bytes_sent = [int(v) for v in sent.cpu().tolist()]
 
     def __iter__(self) -> Iterator[Any]:
         self.bytes_sent, self.bytes_received = self.resumed_bytes if self.start else 0, 0
         self._read_samples, self._sent = {}, {}
         reader = _Reader(self.dataloader, self.counts[self.rank], self.check_overflow)
-        reader.read = sum(1 for row in self.steps[:self.start] for c in row if c is not None and c[0] == self.rank)
+        reader.read = sum(1 for row in self.steps[: self.start] for c in row if c is not None and c[0] == self.rank)
         if self.start:  # a dataset that resumed itself applies its state at its next iteration: this one
             reader._it = iter(self.dataloader)
         for step, row in enumerate(self.steps):
@@ -252,8 +256,8 @@ class RebalancingLoader:
             except Exception as e:  # e.g. something in the batch that pickle refuses
                 refused = UnevenInputsError(
                     f'rank {self.rank} cannot send the batch rank {dst} is to train at step {step}: '
-                    f'{type(e).__name__}: {e}. mode=\'rebalance\' moves dense tensors and picklable objects only; '
-                    f'use mode=\'shadow\' for such batches.',
+                    f"{type(e).__name__}: {e}. mode='rebalance' moves dense tensors and picklable objects only; "
+                    f"use mode='shadow' for such batches.",
                 )
         prefix = torch.tensor([status, len(header)], dtype=torch.int64)
         torch.distributed.send(self.to_device(prefix), dst)
@@ -291,7 +295,7 @@ class RebalancingLoader:
         received, offset = [], 0
         for (shape, dtype), n in zip(specs, sizes):
             if n:
-                received.append(data[offset:offset + n].view(dtype).view(shape))
+                received.append(data[offset : offset + n].view(dtype).view(shape))
             else:
                 received.append(torch.empty(shape, dtype=dtype, device=device))
             offset += n + (-n) % _ALIGN
@@ -333,9 +337,9 @@ class _Reader:
             batch = next(self._it)
         except StopIteration:
             raise UnevenInputsError(
-                f'rank {dist.get_global_rank()}\'s dataloader yielded {self.read} batches, but its len() promised '
-                f'{self.count}; UnevenJoin(mode=\'rebalance\') plans every rank\'s batches from the len()s, so they '
-                f'must be exact (or use mode=\'shadow\')',
+                f"rank {dist.get_global_rank()}'s dataloader yielded {self.read} batches, but its len() promised "
+                f"{self.count}; UnevenJoin(mode='rebalance') plans every rank's batches from the len()s, so they "
+                f"must be exact (or use mode='shadow')",
             ) from None
         self.read += 1
         return batch

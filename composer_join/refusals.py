@@ -13,8 +13,9 @@ The check reads only the algorithm list, which every rank holds alike.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
+from composer.algorithms import GhostBatchNorm
 from composer.core import Algorithm
 
 from composer_join.errors import UnevenInputsError
@@ -25,7 +26,7 @@ __all__ = ['refuse_incompatible']
 def refuse_incompatible(algorithms: Sequence[Algorithm], stand_in_samples: int) -> None:
     """Raise :class:`UnevenInputsError` if an algorithm cannot run on a ``stand_in_samples``-sample shadow batch."""
     for algorithm in algorithms:
-        if type(algorithm).__name__ == 'GhostBatchNorm' and algorithm.ghost_batch_size > stand_in_samples:
+        if isinstance(algorithm, GhostBatchNorm) and algorithm.ghost_batch_size > stand_in_samples:
             raise UnevenInputsError(
                 f'{algorithm!r} cannot run beside UnevenJoin: a rank that has run out of data runs its forward on '
                 f'a {stand_in_samples}-sample stand-in batch, and GhostBatchNorm refuses batches smaller than '

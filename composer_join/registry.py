@@ -32,9 +32,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import composer.algorithms
 import composer.callbacks
@@ -48,8 +48,16 @@ from composer.optim import ComposerScheduler
 from composer_join.algorithm import UnevenJoin
 
 __all__ = [
-    'ALGORITHMS', 'CALLBACKS', 'LOGGERS', 'OPTIMIZERS', 'SCHEDULERS',
-    'Registry', 'UnknownNameError', 'did_you_mean', 'snake_case', 'subclasses_in',
+    'ALGORITHMS',
+    'CALLBACKS',
+    'LOGGERS',
+    'OPTIMIZERS',
+    'SCHEDULERS',
+    'Registry',
+    'UnknownNameError',
+    'did_you_mean',
+    'snake_case',
+    'subclasses_in',
 ]
 
 
@@ -69,7 +77,7 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     guesses = [repr(keys[k]) for k in difflib.get_close_matches(_key(name), keys, n=3, cutoff=0.6)]
     if len(guesses) > 1:
         guesses = [', '.join(guesses[:-1]), guesses[-1]]
-    return f"did you mean {' or '.join(guesses)}?" if guesses else ''
+    return f'did you mean {" or ".join(guesses)}?' if guesses else ''
 
 
 class UnknownNameError(LookupError):
@@ -159,8 +167,11 @@ def _key(name: str) -> str:
 ALGORITHMS = Registry('algorithm', {**subclasses_in(composer.algorithms, Algorithm), 'uneven_join': UnevenJoin})
 CALLBACKS = Registry('callback', subclasses_in(composer.callbacks, Callback))
 LOGGERS = Registry('logger', subclasses_in(composer.loggers, LoggerDestination))
-OPTIMIZERS = Registry('optimizer', {
-    **subclasses_in(composer.optim, torch.optim.Optimizer),
-    **subclasses_in(torch.optim, torch.optim.Optimizer, naming=str.lower),
-})
+OPTIMIZERS = Registry(
+    'optimizer',
+    {
+        **subclasses_in(composer.optim, torch.optim.Optimizer),
+        **subclasses_in(torch.optim, torch.optim.Optimizer, naming=str.lower),
+    },
+)
 SCHEDULERS = Registry('scheduler', subclasses_in(composer.optim, ComposerScheduler))

@@ -14,7 +14,7 @@ actual counts. Cost on such steps: one all-gather of two integers per rank.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from composer.utils import dist
@@ -25,7 +25,10 @@ __all__ = ['replan']
 
 
 def replan(
-    plan: StepPlan, samples: int, microbatches: int, to_device: Callable[[torch.Tensor], torch.Tensor],
+    plan: StepPlan,
+    samples: int,
+    microbatches: int,
+    to_device: Callable[[torch.Tensor], torch.Tensor],
 ) -> StepPlan:
     """``plan`` with every rank's (samples, microbatches) as the ranks' batches now are; this rank's are given."""
     mine = to_device(torch.tensor([samples, microbatches], dtype=torch.int64))

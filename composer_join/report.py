@@ -52,8 +52,9 @@ class EpochReport:
                 self.batch_sizes[rank].append(-1)
                 continue
             if status.unreported_samples != 0 and self.real_samples[rank] >= 0:
-                self.real_samples[rank] = -1 if status.unreported_samples < 0 else \
-                    self.real_samples[rank] + status.unreported_samples
+                self.real_samples[rank] = (
+                    -1 if status.unreported_samples < 0 else self.real_samples[rank] + status.unreported_samples
+                )
             if status.has_batch:
                 self.real_batches[rank] += 1
                 self.batch_sizes[rank].append(status.samples)
@@ -121,8 +122,12 @@ class EpochReport:
         """A few lines for people: per rank, real batches, samples and shadow steps."""
         lines = [f'epoch {self.epoch}: {self.steps} steps on all ranks']
         for rank in range(self.world_size):
-            moved = (f': {self.own_batches[rank]} own, {self.received_batches[rank]} received, '
-                     f'{self.given_batches[rank]} given away' if self.rebalanced else '')
+            moved = (
+                f': {self.own_batches[rank]} own, {self.received_batches[rank]} received, '
+                f'{self.given_batches[rank]} given away'
+                if self.rebalanced
+                else ''
+            )
             lines.append(
                 f'  rank {rank}: {self.real_batches[rank]} real batches ({self.real_samples[rank]} samples){moved}, '
                 f'{self.shadow_steps[rank]} shadow steps',

@@ -45,7 +45,8 @@ from __future__ import annotations
 import copy
 import functools
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from composer.core import State
 from composer.utils import dist
@@ -109,15 +110,24 @@ class RankDatasets:
     :meth:`gather` is collective: call it on every rank, as Composer's ``State.state_dict()`` is.
     """
 
-    def __init__(self, state: State, dataset: Any, trained: Callable[[], int], used: Callable[[], int],
-                 sent: Callable[[], int] = lambda: 0):
+    def __init__(
+        self,
+        state: State,
+        dataset: Any,
+        trained: Callable[[], int],
+        used: Callable[[], int],
+        sent: Callable[[], int] = lambda: 0,
+    ):
         self.state, self.dataset, self.trained, self.used, self.sent = state, dataset, trained, used, sent
 
     @staticmethod
     def applies(dataset: Any) -> bool:
         """Whether ``dataset`` resumes itself per rank (has both methods; not a StreamingDataset)."""
-        return (callable(getattr(dataset, 'state_dict', None)) and callable(getattr(dataset, 'load_state_dict', None))
-                and not _splits_globally(dataset))
+        return (
+            callable(getattr(dataset, 'state_dict', None))
+            and callable(getattr(dataset, 'load_state_dict', None))
+            and not _splits_globally(dataset)
+        )
 
     def gather(self) -> list[dict[str, Any]]:
         """Per rank: ``{'trained', 'used', 'sent', 'dataset'}`` (its dataset's own ``state_dict``). One ``all_gather_object``."""
@@ -135,9 +145,9 @@ class RankDatasets:
         world, rank = dist.get_world_size(), dist.get_global_rank()
         if len(saved) != world:
             raise UnevenInputsError(
-                f'the checkpoint holds the dataset states of {len(saved)} ranks, but this run has {world}: each rank\'s '
+                f"the checkpoint holds the dataset states of {len(saved)} ranks, but this run has {world}: each rank's "
                 f'dataset resumes itself from its own state, so resume with the same world size (or without '
-                f'UnevenJoin\'s per-rank states: load_ignore_keys=[\'state/algorithms\'] and the dataset restarts the epoch)',
+                f"UnevenJoin's per-rank states: load_ignore_keys=['state/algorithms'] and the dataset restarts the epoch)",
             )
         self.dataset.load_state_dict(saved[rank]['dataset'])
         return saved[rank]
@@ -164,8 +174,12 @@ def _splits_globally(dataset: Any) -> bool:
     return streaming is not None and isinstance(dataset, getattr(streaming, 'StreamingDataset', ()))
 
 
-def snapshot(reports: list[EpochReport], current: Optional[EpochReport], wrapper: dict[str, Any],
-             ranks: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+def snapshot(
+    reports: list[EpochReport],
+    current: Optional[EpochReport],
+    wrapper: dict[str, Any],
+    ranks: Optional[list[dict[str, Any]]] = None,
+) -> dict[str, Any]:
     """What UnevenJoin puts in its ``state_dict``: plain data, the same on every rank.
 
     ``ranks``: :meth:`RankDatasets.gather`'s per-rank dataset states, if the dataset resumes itself.
@@ -178,11 +192,14 @@ def snapshot(reports: list[EpochReport], current: Optional[EpochReport], wrapper
     }
 
 
-def restore(saved: dict[str, Any]) -> tuple[list[EpochReport], Optional[EpochReport], dict[str, Any],
-                                            Optional[list[dict[str, Any]]]]:
+def restore(
+    saved: dict[str, Any],
+) -> tuple[list[EpochReport], Optional[EpochReport], dict[str, Any], Optional[list[dict[str, Any]]]]:
     """The inverse of :func:`snapshot`: ``(reports, current report, the wrapper's state, per-rank dataset states)``."""
     current = saved.get('current')
-    return ([EpochReport(**r) for r in saved.get('reports', [])],
-            None if current is None else EpochReport(**current),
-            dict(saved.get('wrapper', {})),
-            saved.get('ranks'))
+    return (
+        [EpochReport(**r) for r in saved.get('reports', [])],
+        None if current is None else EpochReport(**current),
+        dict(saved.get('wrapper', {})),
+        saved.get('ranks'),
+    )

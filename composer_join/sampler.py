@@ -131,7 +131,7 @@ class ExactDistributedSampler(DistributedSampler[int]):
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            shard = torch.randperm(n, generator=g)[self.rank::self.num_replicas].tolist()
+            shard = torch.randperm(n, generator=g)[self.rank :: self.num_replicas].tolist()
         else:
             shard = list(range(self.rank, n, self.num_replicas))
         assert len(shard) == self.num_samples

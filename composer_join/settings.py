@@ -24,7 +24,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from composer_join.errors import UnevenInputsError
 
@@ -56,7 +56,9 @@ def check(rows: Sequence[Sequence[int]]) -> None:
         for rank, r in enumerate(rows):
             holders.setdefault(int(r[column]), []).append(rank)
         if len(holders) > 1:
-            differences.append(', '.join(f'{name}={_value(name, v)} on rank(s) {ranks}' for v, ranks in holders.items()))
+            differences.append(
+                ', '.join(f'{name}={_value(name, v)} on rank(s) {ranks}' for v, ranks in holders.items())
+            )
     if differences:
         raise UnevenInputsError(
             f'UnevenJoin is configured differently on different ranks: {"; ".join(differences)}. Every rank must '
@@ -68,7 +70,7 @@ def check(rows: Sequence[Sequence[int]]) -> None:
 def mismatch_error(cause: str) -> UnevenInputsError:
     """The error for a first agreement that failed or made no sense: most likely some rank runs no UnevenJoin."""
     return UnevenInputsError(
-        f'UnevenJoin\'s first agreement (at the start of fit or evaluation) failed: {cause}. The usual cause is a '
-        f'rank whose Trainer has no UnevenJoin in its algorithms: it issues Composer\'s own collectives instead, '
+        f"UnevenJoin's first agreement (at the start of fit or evaluation) failed: {cause}. The usual cause is a "
+        f"rank whose Trainer has no UnevenJoin in its algorithms: it issues Composer's own collectives instead, "
         f'which do not match. Give every rank UnevenJoin with the same settings (enable=False to turn it off).',
     )

@@ -54,16 +54,32 @@ def skippable(ddp: DistributedDataParallel) -> Optional[str]:
     """None if :class:`DDPShadow` can stand in for ``ddp``'s forward and backward, else why not."""
     if forward_communicates(ddp.module):
         return 'its forward communicates (SyncBatchNorm or shadow_forward=True)'
-    if getattr(ddp, 'static_graph', False) or getattr(ddp, '_use_python_reducer', False) or \
-            getattr(ddp, '_delay_all_reduce_all_params', False) or getattr(ddp, 'reducer', None) is None:
+    if (
+        getattr(ddp, 'static_graph', False)
+        or getattr(ddp, '_use_python_reducer', False)
+        or getattr(ddp, '_delay_all_reduce_all_params', False)
+        or getattr(ddp, 'reducer', None) is None
+    ):
         return 'DDP runs with static_graph, a compiled or python reducer, or delayed all-reduces'
     if any(ddp._build_params_for_reducer()[1]):
         return 'a module produces sparse gradients'
     return None
 
 
-_COLLECTIVES = ('all_reduce', 'all_gather', 'all_gather_into_tensor', 'reduce_scatter', 'reduce_scatter_tensor',
-                'all_to_all', 'all_to_all_single', 'broadcast', 'reduce', 'gather', 'scatter', 'barrier')
+_COLLECTIVES = (
+    'all_reduce',
+    'all_gather',
+    'all_gather_into_tensor',
+    'reduce_scatter',
+    'reduce_scatter_tensor',
+    'all_to_all',
+    'all_to_all_single',
+    'broadcast',
+    'reduce',
+    'gather',
+    'scatter',
+    'barrier',
+)
 
 
 class ForwardProbe:
@@ -143,8 +159,8 @@ class LossShape:
                 except TypeError:
                     return items
             if isinstance(skeleton, (list, tuple)):
-                items = [fill(v) for v in skeleton]
-                return type(skeleton)(*items) if hasattr(skeleton, '_fields') else type(skeleton)(items)
+                values = [fill(v) for v in skeleton]
+                return type(skeleton)(*values) if hasattr(skeleton, '_fields') else type(skeleton)(values)
             return skeleton
 
         return fill(self._skeleton)
@@ -162,14 +178,14 @@ def connected_zero_loss(shape: LossShape, outputs: Any) -> Any:
     parts: list[torch.Tensor] = []
     map_tensors(lambda t: parts.append(t.sum()) if t.requires_grad else None, outputs)
     value = sum(parts) * 0.0 if parts else torch.zeros((), requires_grad=True)
-    return shape.zeros(value) if shape.known else value
+    return shape.zeros(value) if shape.known else value  # type: ignore[arg-type]  # sum() of tensors: a tensor
 
 
 class _MatchBackward(torch.autograd.Function):
     """Identity on a zero scalar; its backward issues DDP's backward collectives (see :class:`DDPShadow`)."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, shadow: 'DDPShadow') -> torch.Tensor:
+    def forward(ctx, anchor: torch.Tensor, shadow: DDPShadow) -> torch.Tensor:
         ctx.shadow = shadow
         return anchor.clone()
 
@@ -178,6 +194,21 @@ class _MatchBackward(torch.autograd.Function):
         ctx.shadow.match_backward()
         return None, None
 
+
+
+def _bucket_view(segment: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient in its bucket's ``segment``, laid out as DDP's reducer lays it out.
+
+    The reducer stores a dense parameter's gradient in the parameter's own strides (a channels-last
+    convolution weight, say: ``initialize_bucket_views`` in torch's ``reducer.cpp``), any other one
+    contiguously.
+    """
+    expected, dense = 1, True
+    for d in sorted(range(param.dim()), key=param.stride):
+        if param.size(d) != 1 and param.stride(d) != expected:
+            dense = False
+        expected *= param.size(d)
+    return segment.as_strided(param.size(), param.stride()) if dense else segment.view_as(param)
 
 class DDPShadow:
     """Stands in for one DDP model's forward and its ``ComposerModel.loss`` during shadow microbatches.
@@ -197,8 +228,8 @@ class DDPShadow:
         self.installed = False
 
     def install(self) -> None:
-        self.ddp.forward = self._forward  # instance attributes shadow the class's methods
-        self.model.loss = self._loss
+        self.ddp.forward = self._forward  # type: ignore[method-assign]  # instance attributes shadow the class's methods
+        self.model.loss = self._loss  # type: ignore[assignment]
         self.installed = True
 
     def remove(self) -> None:
@@ -234,11 +265,11 @@ class DDPShadow:
         buckets = reducer._get_zeros_like_grad_buckets()
         futures = [reducer._run_comm_hook(bucket) for bucket in buckets]  # in bucket order, as the reducer
         reduced = [f.wait() for f in futures]
-        used = None
+        used: Optional[list[int]] = None
         if self.ddp.find_unused_parameters:
-            used = torch.zeros_like(reducer._get_local_used_map())
-            self.ddp.process_group.allreduce(used).wait()
-            used = used.tolist()
+            used_map = torch.zeros_like(reducer._get_local_used_map())
+            self.ddp.process_group.allreduce(used_map).wait()
+            used = used_map.tolist()
         reducer._push_all_rebuilt_params()
         index = {id(p): i for i, p in enumerate(self._params)}
         with torch.no_grad():
@@ -248,7 +279,7 @@ class DDPShadow:
                 for p in bucket.parameters():
                     n = p.numel()
                     if used is None or used[index[id(p)]]:
-                        value = flat[offset:offset + n].view_as(p)
+                        value = _bucket_view(flat[offset : offset + n], p)
                         if p.grad is None:
                             p.grad = value.clone()
                         else:

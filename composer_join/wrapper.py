@@ -42,7 +42,8 @@ The base class is the wrapper for a model that is not wrapped (nothing to do).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from composer.core import State
 
@@ -95,8 +96,10 @@ def wrapper_for(state: State, rank: int) -> Wrapper:
 
     if isinstance(state.model, DistributedDataParallel):
         from composer_join.ddp import DDPWrapper
+
         return DDPWrapper(rank)
     if state.fsdp_enabled:
         from composer_join.fsdp import FSDPWrapper
+
         return FSDPWrapper()
     return Wrapper()

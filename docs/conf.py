@@ -8,7 +8,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's composer_join, also without an install
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent.parent)
+)  # this checkout's composer_join, also without an install
 
 import composer_join
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from composer.utils import dist
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from composer_join.registry import Registry
 
-__all__ = ['DATASETS', 'IGNORE', 'Loaders', 'PAD', 'Shard', 'TokenBudgetBatches', 'digits', 'pad_batch', 'pydoc_text']
+__all__ = ['DATASETS', 'IGNORE', 'PAD', 'Loaders', 'Shard', 'TokenBudgetBatches', 'digits', 'pad_batch', 'pydoc_text']
 
 PAD = 256  # input id of padding (bytes are 0..255)
 IGNORE = -100  # label of padding, ignored by the loss
@@ -85,14 +85,14 @@ def pydoc_text(
     everything = [seq for doc in docs for seq in doc]
     held_out = set(random.Random(seed).sample(range(len(everything)), eval_sequences))
     rank, world = dist.get_global_rank(), dist.get_world_size()
-    starts = [sum(len(d) for d in docs[:len(docs) * r // world]) for r in range(world + 1)]
+    starts = [sum(len(d) for d in docs[: len(docs) * r // world]) for r in range(world + 1)]
     own = [everything[i] for i in range(starts[rank], starts[rank + 1]) if i not in held_out]
     eval_set = [everything[i] for i in sorted(held_out)]
     return Loaders(
-        train=DataLoader(TokenBudgetBatches(own[:round(len(own) * fraction)], tokens_per_batch, seed),
-                         batch_size=None),
-        eval=DataLoader(eval_set, batch_size=eval_batch_size, sampler=dist.get_sampler(eval_set),
-                        collate_fn=pad_batch),
+        train=DataLoader(
+            TokenBudgetBatches(own[: round(len(own) * fraction)], tokens_per_batch, seed), batch_size=None
+        ),
+        eval=DataLoader(eval_set, batch_size=eval_batch_size, sampler=dist.get_sampler(eval_set), collate_fn=pad_batch),
     )
 
 
@@ -148,8 +148,8 @@ def pad_batch(sequences: Sequence[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
     labels = torch.full((len(sequences), length), IGNORE)
     for i, seq in enumerate(sequences):
         data = torch.tensor(list(seq))
-        inputs[i, :len(seq) - 1] = data[:-1]
-        labels[i, :len(seq) - 1] = data[1:]
+        inputs[i, : len(seq) - 1] = data[:-1]
+        labels[i, : len(seq) - 1] = data[1:]
     return inputs, labels
 
 
@@ -162,7 +162,7 @@ def _documents(max_length: int, min_length: int = 8) -> list[list[bytes]]:
         chunks = []
         for paragraph in topics[name].split('\n\n'):
             data = ' '.join(paragraph.split()).encode()
-            chunks.extend(data[i:i + max_length] for i in range(0, len(data), max_length))
+            chunks.extend(data[i : i + max_length] for i in range(0, len(data), max_length))
         docs.append([c for c in chunks if len(c) >= min_length])
     return docs
 

@@ -56,8 +56,9 @@ def run(stock: bool, epochs: int) -> None:
     rank = dist.get_global_rank()
     shards = SHARD_SIZES + tuple(SHARD_SIZES[-1] for _ in range(dist.get_world_size() - len(SHARD_SIZES)))
     dataset = Shard(rank, shards[rank])
-    model = ComposerClassifier(torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)),
-                               num_classes=3)
+    model = ComposerClassifier(
+        torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)), num_classes=3
+    )
     join = UnevenJoin()
     trainer = Trainer(
         model=model,
@@ -74,8 +75,10 @@ def run(stock: bool, epochs: int) -> None:
     samples = int(trainer.state.timestamp.sample)
     total = sum(shards[: dist.get_world_size()]) * epochs
     if rank == 0:
-        print(f'{"stock Composer" if stock else "UnevenJoin"}: trained {samples} of {total} samples '
-              f'in {int(trainer.state.timestamp.batch)} steps, final loss {trainer.state.total_loss_dict}')
+        print(
+            f'{"stock Composer" if stock else "UnevenJoin"}: trained {samples} of {total} samples '
+            f'in {int(trainer.state.timestamp.batch)} steps, final loss {trainer.state.total_loss_dict}'
+        )
         for report in join.reports:
             print(report.summary())
     trainer.close()

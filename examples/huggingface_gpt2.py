@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pydoc_data.topics import topics
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,6 @@ from composer.core import Evaluator
 from composer.metrics.nlp import LanguageCrossEntropy
 from composer.models import HuggingFaceModel
 from composer.utils import dist
-from pydoc_data.topics import topics
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -36,14 +36,14 @@ LENGTH = 32
 def byte_sequences() -> torch.Tensor:
     """Python's help texts as bytes, cut into sequences of ``LENGTH``."""
     data = torch.tensor(list(''.join(topics[k] for k in sorted(topics)).encode()), dtype=torch.long)
-    return data[:len(data) // LENGTH * LENGTH].view(-1, LENGTH)
+    return data[: len(data) // LENGTH * LENGTH].view(-1, LENGTH)
 
 
 def shards(counts: list[int], offset: int) -> list[torch.Tensor]:
     """Consecutive, disjoint blocks of sequences, one per rank, starting at sequence ``offset``."""
     seqs, out = byte_sequences(), []
     for n in counts:
-        out.append(seqs[offset:offset + n])
+        out.append(seqs[offset : offset + n])
         offset += n
     return out
 
@@ -68,8 +68,18 @@ def collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def gpt2() -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=LENGTH, n_embd=64, n_layer=2, n_head=4,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=256,
+            n_positions=LENGTH,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def fit(join: UnevenJoin, train: torch.Tensor, evaluate: torch.Tensor, batch_size: int) -> dict:
@@ -77,8 +87,11 @@ def fit(join: UnevenJoin, train: torch.Tensor, evaluate: torch.Tensor, batch_siz
     trainer = Trainer(
         model=model,
         train_dataloader=DataLoader(Shard(train), batch_size=batch_size, collate_fn=collate),
-        eval_dataloader=Evaluator(label='eval', metric_names=['LanguageCrossEntropy'],
-                                  dataloader=DataLoader(Shard(evaluate), batch_size=batch_size, collate_fn=collate)),
+        eval_dataloader=Evaluator(
+            label='eval',
+            metric_names=['LanguageCrossEntropy'],
+            dataloader=DataLoader(Shard(evaluate), batch_size=batch_size, collate_fn=collate),
+        ),
         eval_interval='1ep',
         max_duration='2ep',
         optimizers=torch.optim.AdamW(model.parameters(), lr=3e-3),
@@ -117,14 +130,18 @@ def main() -> None:
         parser.error(f'--train and --eval need one count per rank ({world} ranks)')
     train, evaluate = shards(args.train, 0), shards(args.eval, sum(args.train))
     all_eval = torch.cat(evaluate)
-    lines = [f'{world} ranks, training sequences {args.train}, eval sequences {args.eval}, batch {args.batch_size}, '
-             f'2 epochs; {LENGTH} bytes per sequence',
-             f'{"":15} {"samples trained":>16} {"tokens evaluated":>17} {"eval loss":>10} {"one process":>12}']
+    lines = [
+        f'{world} ranks, training sequences {args.train}, eval sequences {args.eval}, batch {args.batch_size}, '
+        f'2 epochs; {LENGTH} bytes per sequence',
+        f'{"":15} {"samples trained":>16} {"tokens evaluated":>17} {"eval loss":>10} {"one process":>12}',
+    ]
     for name, join in (('UnevenJoin', UnevenJoin()), ('stock Composer', UnevenJoin(enable=False))):
         res = fit(join, train[rank], evaluate[rank], args.batch_size)
         single = one_process_loss(res['model'], all_eval)
-        lines.append(f'{name:15} {res["samples"]:>7} of {2 * sum(args.train):<6} '
-                     f'{res["tokens"]:>8} of {len(all_eval) * (LENGTH - 1):<6} {res["loss"]:>10.6f} {single:>12.6f}')
+        lines.append(
+            f'{name:15} {res["samples"]:>7} of {2 * sum(args.train):<6} '
+            f'{res["tokens"]:>8} of {len(all_eval) * (LENGTH - 1):<6} {res["loss"]:>10.6f} {single:>12.6f}'
+        )
     if rank == 0:
         print('\n'.join(lines))
 

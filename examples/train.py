@@ -27,12 +27,12 @@ signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 from composer import Trainer  # noqa: E402
 from composer.utils import dist  # noqa: E402
-from data import DATASETS  # noqa: E402
-from models import MODELS  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from composer_join import UnevenInputsError, UnevenJoin  # noqa: E402
 from composer_join.config import ConfigError, build_one, load_config, trainer_kwargs  # noqa: E402
+from data import DATASETS  # noqa: E402
+from models import MODELS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,11 +78,15 @@ def summary(trainer: Trainer, join: UnevenJoin | None) -> str:
     lines = [active if reports else 'UnevenJoin: not active (a single rank, or not in algorithms:)']
     for r in range(reports[0].world_size if reports else 0):
         samples = [e.real_samples[r] for e in reports]
-        lines.append(f'  rank {r}: {sum(e.real_batches[r] for e in reports)} real batches, '
-                     f'{sum(e.shadow_steps[r] for e in reports)} shadow steps, '
-                     f'{sum(samples) if min(samples) >= 0 else "?"} samples')
-    metrics = {**{f'train/{k}': v for k, v in trainer.state.train_metric_values.items()},
-               **{f'eval/{k}': v for k, v in trainer.state.eval_metric_values.items()}}
+        lines.append(
+            f'  rank {r}: {sum(e.real_batches[r] for e in reports)} real batches, '
+            f'{sum(e.shadow_steps[r] for e in reports)} shadow steps, '
+            f'{sum(samples) if min(samples) >= 0 else "?"} samples'
+        )
+    metrics = {
+        **{f'train/{k}': v for k, v in trainer.state.train_metric_values.items()},
+        **{f'eval/{k}': v for k, v in trainer.state.eval_metric_values.items()},
+    }
     lines.append('final metrics: ' + (', '.join(f'{k} {float(v):.4f}' for k, v in metrics.items()) or 'none'))
     return '\n'.join(lines)
 

@@ -88,8 +88,10 @@ def too_few_gpus(needed: int, what: str, found: int | None = None) -> str | None
     found = gpu_count() if found is None else found
     if found >= needed:
         return None
-    return (f'{what} needs at least {needed} CUDA GPUs (NCCL needs one GPU per rank), but this machine has {found}. '
-            f'Run the CPU versions instead (make test, make bench: gloo on CPU).')
+    return (
+        f'{what} needs at least {needed} CUDA GPUs (NCCL needs one GPU per rank), but this machine has {found}. '
+        f'Run the CPU versions instead (make test, make bench: gloo on CPU).'
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -31,11 +31,10 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent))
-import devices  # noqa: E402
-from rank_scenarios import ShardWithLen, ToyModel  # noqa: E402
-from toy import shard  # noqa: E402
-
-from composer_join import UnevenJoin, is_shadow_step  # noqa: E402
+import devices
+from composer_join import UnevenJoin, is_shadow_step
+from rank_scenarios import ShardWithLen, ToyModel
+from toy import shard
 
 DIST_TIMEOUT = 10.0
 SHARDS = [8, 24]  # batches of 4: rank 0 has 2, rank 1 has 6
@@ -82,8 +81,11 @@ class FailAt(Callback):
     def before_forward(self, state, logger):
         # a shadowing rank runs no model code under DDP (docs/shadow-steps.md): it fails here, at the
         # BEFORE_FORWARD of its shadow step, instead of in its model's forward
-        if self.where in ('forward', 'sigkill') and int(state.timestamp.batch) == self.at_step and \
-                is_shadow_step(state):
+        if (
+            self.where in ('forward', 'sigkill')
+            and int(state.timestamp.batch) == self.at_step
+            and is_shadow_step(state)
+        ):
             fail_now(self.out, self.where)
 
     def batch_end(self, state, logger):
@@ -101,10 +103,18 @@ def main(where: str, when: str, out: Path) -> None:
     dataset = FailingShard(x, y, 4 * (step + 1), out) if mine and where == 'dataloader' else ShardWithLen(x, y)
     model = FailingModel(step if mine and where in ('forward', 'sigkill') else -1, out, where)
     callback = FailAt(model, step if mine else -1, out, where)
-    trainer = Trainer(model=model, train_dataloader=DataLoader(dataset, batch_size=4), max_duration='1ep',
-                      optimizers=torch.optim.SGD(model.parameters(), lr=0.1), algorithms=[UnevenJoin()],
-                      callbacks=[callback], device=devices.trainer_device(), dist_timeout=DIST_TIMEOUT, progress_bar=False,
-                      log_to_console=False)
+    trainer = Trainer(
+        model=model,
+        train_dataloader=DataLoader(dataset, batch_size=4),
+        max_duration='1ep',
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        algorithms=[UnevenJoin()],
+        callbacks=[callback],
+        device=devices.trainer_device(),
+        dist_timeout=DIST_TIMEOUT,
+        progress_bar=False,
+        log_to_console=False,
+    )
     try:
         trainer.fit()
     except BaseException as e:

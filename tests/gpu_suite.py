@@ -31,10 +31,23 @@ import devices
 
 HERE = Path(__file__).parent
 EVERY = [
-    'test_join_core.py', 'test_sync_strategies.py', 'test_evaluation.py', 'test_collective_cost.py',
-    'test_fsdp.py', 'test_rebalance.py', 'test_resumption.py', 'test_bad_input.py', 'test_random_unevenness.py',
-    'test_huggingface.py', 'test_failing_rank.py', 'test_auto_microbatching.py', 'test_transfer_dtypes.py',
-    'test_inert_shadow.py', 'test_metrics.py', 'test_rank_differences.py', 'test_rebalance_unsized.py',
+    'test_join_core.py',
+    'test_sync_strategies.py',
+    'test_evaluation.py',
+    'test_collective_cost.py',
+    'test_fsdp.py',
+    'test_rebalance.py',
+    'test_resumption.py',
+    'test_bad_input.py',
+    'test_random_unevenness.py',
+    'test_huggingface.py',
+    'test_failing_rank.py',
+    'test_auto_microbatching.py',
+    'test_transfer_dtypes.py',
+    'test_inert_shadow.py',
+    'test_metrics.py',
+    'test_rank_differences.py',
+    'test_rebalance_unsized.py',
 ]
 NOT_ON_SHARED = {
     'test_fsdp.py': 'FSDP needs reduce-scatter and all-gather on CUDA tensors, which gloo lacks (needs 2+ GPUs, NCCL)',
@@ -57,8 +70,11 @@ class Plan:
     left_out: dict[str, str] = field(default_factory=dict)  # file (or part) -> why
 
     def describe(self) -> str:
-        return {'nccl': f'{self.gpus} GPUs, one per rank, NCCL', 'shared': '1 GPU shared by all ranks, gloo',
-                'none': 'no GPU'}[self.mode]
+        return {
+            'nccl': f'{self.gpus} GPUs, one per rank, NCCL',
+            'shared': '1 GPU shared by all ranks, gloo',
+            'none': 'no GPU',
+        }[self.mode]
 
 
 def plan(gpus: int, present: list[str] | None = None) -> Plan:
@@ -73,8 +89,14 @@ def plan(gpus: int, present: list[str] | None = None) -> Plan:
     left = {f: NOT_ON_SHARED[f] for f in files if f in NOT_ON_SHARED}
     parts = [NOT_ON_SHARED_K[f] for f in keep if f in NOT_ON_SHARED_K]
     left.update({f'{f} ({NOT_ON_SHARED_K[f][0]!r} only)': NOT_ON_SHARED_K[f][1] for f in keep if f in NOT_ON_SHARED_K})
-    return Plan(1, 'shared', {devices.ENV: 'gpu', devices.SHARED_ENV: '1'}, keep,
-                deselect=' and '.join(k for k, _ in parts), left_out=left)
+    return Plan(
+        1,
+        'shared',
+        {devices.ENV: 'gpu', devices.SHARED_ENV: '1'},
+        keep,
+        deselect=' and '.join(k for k, _ in parts),
+        left_out=left,
+    )
 
 
 def summary(junit_xml: str, p: Plan, target: str = 'make test-gpu') -> str:
@@ -119,8 +141,15 @@ def run_bench(gpus: int, extra: list[str]) -> int:
 
     Below 2 GPUs nothing can run (NCCL needs a GPU per rank), and ``benchmarks/gpu/results.md`` says so.
     """
-    cmd = [sys.executable, str(HERE.parent / 'benchmarks' / 'run.py'), '--out', str(HERE.parent / 'benchmarks' / 'gpu'),
-           '--max-ranks', str(gpus), *extra]
+    cmd = [
+        sys.executable,
+        str(HERE.parent / 'benchmarks' / 'run.py'),
+        '--out',
+        str(HERE.parent / 'benchmarks' / 'gpu'),
+        '--max-ranks',
+        str(gpus),
+        *extra,
+    ]
     print(f'make bench-gpu: world sizes up to {gpus} ({gpus} GPUs, one per rank, NCCL)', flush=True)
     return subprocess.call(cmd, env={**os.environ, devices.ENV: 'gpu'})
 

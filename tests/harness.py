@@ -58,9 +58,16 @@ def free_port() -> int:
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        NODE_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), PYTHONUNBUFFERED='1',
-        OMP_NUM_THREADS='1', PYTHONWARNINGS='ignore',
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK='0',
+        MASTER_ADDR='127.0.0.1',
+        MASTER_PORT=str(port),
+        PYTHONUNBUFFERED='1',
+        OMP_NUM_THREADS='1',
+        PYTHONWARNINGS='ignore',
     )
     return env
 
@@ -90,7 +97,9 @@ def launch(
             procs.append(
                 subprocess.Popen(
                     [sys.executable, str(WORKER), str(spec), str(Path(tmp, f'rank{rank}'))],
-                    env=rank_env(rank, world_size, port), stdout=log, stderr=subprocess.STDOUT,
+                    env=rank_env(rank, world_size, port),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                     start_new_session=True,
                 ),
             )

@@ -16,17 +16,25 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rank_scenarios import train  # noqa: E402
+from composer.utils import dist
 
-from composer.utils import dist  # noqa: E402
+from rank_scenarios import train
 
 # an empty shard, a short one; microbatches of 3 with uneven counts
-CONFIG = dict(shards=[21, 0, 13, 8], batch_size=4, epochs=2, microbatch=3, sync='multi_auto_sync',
-              join={'divide_by_initial_world_size': True})
+CONFIG = dict(
+    shards=[21, 0, 13, 8],
+    batch_size=4,
+    epochs=2,
+    microbatch=3,
+    sync='multi_auto_sync',
+    join={'divide_by_initial_world_size': True},
+)
 
 if __name__ == '__main__':
     torch.set_num_threads(1)
     result = train(CONFIG)
     keep = ('params', 'optimizer', 'timestamp', 'reports')
-    torch.save({k: result[k] for k in keep} | {'node_rank': dist.get_node_rank()},
-               Path(sys.argv[1]) / f'rank{dist.get_global_rank()}.pt')
+    torch.save(
+        {k: result[k] for k in keep} | {'node_rank': dist.get_node_rank()},
+        Path(sys.argv[1]) / f'rank{dist.get_global_rank()}.pt',
+    )

@@ -7,18 +7,19 @@ dicts) that the test compares with :mod:`reference`. Not a test module.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from composer import Callback, Trainer
+from composer.core import Algorithm, DataSpec, Evaluator
 from composer.loggers import InMemoryLogger
 from composer.models import ComposerModel
 from composer.optim import CosineAnnealingScheduler
 from composer.utils import dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, IterableDataset
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -26,8 +27,19 @@ import devices
 from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
 from composer_join.collectives import CollectiveCounter
 from composer_join.sampler import ExactDistributedSampler
-from composer.core import Algorithm, DataSpec, Evaluator
-from toy import CLASSES, lm_batch, lm_shard, lm_token_losses, lm_tokens, logits, make_batch, make_lm, make_module, shard, unpack
+from toy import (
+    CLASSES,
+    lm_batch,
+    lm_shard,
+    lm_token_losses,
+    lm_tokens,
+    logits,
+    make_batch,
+    make_lm,
+    make_module,
+    shard,
+    unpack,
+)
 
 
 class ShardWithLen(IterableDataset):
@@ -102,8 +114,10 @@ class ToyModel(ComposerModel):
     def get_metrics(self, is_train: bool = False):
         if not is_train:
             # a per-sample mean (Composer's CrossEntropy metric averages per-batch means instead)
-            return {'MulticlassAccuracy': MulticlassAccuracy(num_classes=CLASSES, average='micro'),
-                    'MeanLoss': MeanMetric()}
+            return {
+                'MulticlassAccuracy': MulticlassAccuracy(num_classes=CLASSES, average='micro'),
+                'MeanLoss': MeanMetric(),
+            }
         return {'SamplesSeen': SamplesSeen()} if self.train_metrics else {}
 
     def update_metric(self, batch, outputs, metric):
@@ -243,8 +257,11 @@ def make_eval_loader(cfg: dict, rank: int) -> Optional[DataLoader]:
         return DataLoader(ShardWithLen(x, y), batch_size=batch_size)
     if cfg.get('eval_map') is not None:
         dataset = Indexed(*shard(99, cfg['eval_map']))
-        sampler = DistributedSampler(dataset, shuffle=False) if cfg.get('eval_sampler') == 'torch' else \
-            ExactDistributedSampler(dataset, shuffle=False)
+        sampler = (
+            DistributedSampler(dataset, shuffle=False)
+            if cfg.get('eval_sampler') == 'torch'
+            else ExactDistributedSampler(dataset, shuffle=False)
+        )
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
     return None
 
@@ -253,8 +270,12 @@ def make_evaluator(cfg: dict, rank: int) -> Optional[Evaluator]:
     loader = make_eval_loader(cfg, rank)
     if loader is None:
         return None
-    return Evaluator(label='eval', dataloader=loader, metric_names=['MulticlassAccuracy', 'MeanLoss'],
-                     device_eval_microbatch_size=cfg.get('eval_microbatch'))
+    return Evaluator(
+        label='eval',
+        dataloader=loader,
+        metric_names=['MulticlassAccuracy', 'MeanLoss'],
+        device_eval_microbatch_size=cfg.get('eval_microbatch'),
+    )
 
 
 def make_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
@@ -282,7 +303,9 @@ def error_if_expected(cfg: dict, run: Callable[[], Any]) -> Optional[str]:
 def train(cfg: dict) -> dict[str, Any]:
     """One Composer ``fit`` on this rank's shard, as ``cfg`` describes; see ``reference.train``."""
     rank = dist.get_global_rank()
-    model = ToyLMModel() if cfg.get('model') == 'lm' else ToyModel(cfg.get('model', 'mlp'), cfg.get('train_metrics', False))
+    model = (
+        ToyLMModel() if cfg.get('model') == 'lm' else ToyModel(cfg.get('model', 'mlp'), cfg.get('train_metrics', False))
+    )
     optimizer = make_optimizer(cfg, model.parameters())
     join = UnevenJoin(**cfg['join']) if cfg.get('join') is not None else None
     recorder, memory, lines, counter = Recorder(), InMemoryLogger(), LogLines(), CollectiveCounter()
@@ -291,10 +314,11 @@ def train(cfg: dict) -> dict[str, Any]:
     trainer = quiet_trainer(
         model=model,
         train_dataloader=make_loader(cfg, rank),
-        max_duration=cfg.get('max_duration', f"{cfg.get('epochs', 1)}ep"),
+        max_duration=cfg.get('max_duration', f'{cfg.get("epochs", 1)}ep'),
         optimizers=optimizer,
         schedulers=CosineAnnealingScheduler() if cfg.get('schedule') == 'cosine' else None,
-        algorithms=([join] if join is not None else []) + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
+        algorithms=([join] if join is not None else [])
+        + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
         callbacks=[recorder] + ([counter] if cfg.get('count_collectives') else []),
         loggers=[memory],
         device_train_microbatch_size=cfg.get('microbatch'),
@@ -327,8 +351,11 @@ def train(cfg: dict) -> dict[str, Any]:
         'log_lines': lines.lines,
         'collectives': counter.steps,
         'eval_params': recorder.eval_params,
-        'eval': {k.split('/')[-1]: [float(v) for _, v in vals] for k, vals in memory.data.items()
-                 if k.startswith('metrics/eval/')},
+        'eval': {
+            k.split('/')[-1]: [float(v) for _, v in vals]
+            for k, vals in memory.data.items()
+            if k.startswith('metrics/eval/')
+        },
         'sample_ids': recorder.sample_ids,
     }
 
@@ -352,6 +379,6 @@ def torch_join(shards: list[int], batch_size: int, epochs: int, lr: float, divid
         with ddp.join(divide_by_initial_world_size=divide):
             for i in range(0, len(y), batch_size):
                 optimizer.zero_grad()
-                F.cross_entropy(ddp(x[i:i + batch_size]), y[i:i + batch_size]).backward()
+                F.cross_entropy(ddp(x[i : i + batch_size]), y[i : i + batch_size]).backward()
                 optimizer.step()
     return {'params': {k: v.detach().cpu().clone() for k, v in module.named_parameters()}}

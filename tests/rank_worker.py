@@ -12,9 +12,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import devices  # noqa: E402
-import rank_scenarios  # noqa: E402
-from harness import RankError  # noqa: E402
+import devices
+import rank_scenarios
+from harness import RankError
 
 
 def _resolve(function: str):

@@ -25,12 +25,12 @@ def batches_of(cfg: dict, rank: int) -> list:
     b = cfg['batch_size']
     if cfg.get('model') == 'lm':
         seqs = lm_shard(rank, cfg['shards'][rank])
-        return [lm_batch(seqs[i:i + b]) for i in range(0, len(seqs), b)]
+        return [lm_batch(seqs[i : i + b]) for i in range(0, len(seqs), b)]
     x, y = shard(rank, cfg['shards'][rank])
     if cfg.get('batch_plan') is not None:  # per rank, the size of each batch in order (as token budgets give)
         ends = torch.tensor(cfg['batch_plan'][rank]).cumsum(0).tolist()
-        return [(x[e - n:e], y[e - n:e]) for n, e in zip(cfg['batch_plan'][rank], ends)]
-    return [(x[i:i + b], y[i:i + b]) for i in range(0, len(y), b)]
+        return [(x[e - n : e], y[e - n : e]) for n, e in zip(cfg['batch_plan'][rank], ends)]
+    return [(x[i : i + b], y[i : i + b]) for i in range(0, len(y), b)]
 
 
 def optimizer_for(cfg: dict, params) -> torch.optim.Optimizer:
@@ -101,7 +101,9 @@ def train(cfg: dict, divide: bool = True) -> dict:
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (a.keys(), b.keys())
-    return max(float((a[k].detach().cpu().double() - b[k].detach().cpu().double()).abs().max()) for k in a)  # on the CPU
+    return max(
+        float((a[k].detach().cpu().double() - b[k].detach().cpu().double()).abs().max()) for k in a
+    )  # on the CPU
 
 
 def assert_like_reference(name: str, per_rank: list[dict], ref_params: dict[str, torch.Tensor], tol: float) -> None:
@@ -130,7 +132,8 @@ def evaluate(flat_params: torch.Tensor, cfg: dict) -> dict[str, float]:
     with torch.no_grad():
         out = module(x)
     return {
-        'correct': int((out.argmax(1) == y).sum()), 'total': len(y),
+        'correct': int((out.argmax(1) == y).sum()),
+        'total': len(y),
         'MulticlassAccuracy': float((out.argmax(1) == y).float().mean()),
         'MeanLoss': float(torch.nn.functional.cross_entropy(out, y)),
     }

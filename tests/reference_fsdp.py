@@ -11,8 +11,6 @@ each normalised on its own (as in training) and each updating the rank's statist
 
 from __future__ import annotations
 
-import torch
-
 from reference import batches_of, optimizer_for
 from toy import make_module, per_sample_loss
 
@@ -36,7 +34,7 @@ def train(cfg: dict, divide: bool = True) -> dict:
             for r in active:
                 x, y = per_rank[r][t]
                 for i in range(0, len(y), size):  # each microbatch updates the rank's buffers in place
-                    loss = loss + per_sample_loss(module, x[i:i + size], y[i:i + size], own[r]).sum()
+                    loss = loss + per_sample_loss(module, x[i : i + size], y[i : i + size], own[r]).sum()
             factor = len(active) / world if divide else 1.0
             optimizer.zero_grad()
             (loss / samples * factor).backward()

@@ -25,8 +25,17 @@ VOCAB, LENGTH = 32, 8
 def make_gpt2() -> GPT2LMHeadModel:
     """A two-layer GPT-2 with 16-wide embeddings, no dropout, always the same initial weights."""
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=2, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=LENGTH,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        summary_first_dropout=0.0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -51,7 +60,7 @@ def collate(seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     mask = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
     return {'input_ids': ids, 'attention_mask': mask, 'labels': ids.masked_fill(mask == 0, -100)}
 
 
@@ -80,7 +89,7 @@ def train(cfg: dict) -> dict[str, torch.Tensor]:
     per_rank = []
     for r, n in enumerate(cfg['shards']):
         seqs = train_shard(r, n, padded)
-        per_rank.append([collate(seqs[i:i + b]) for i in range(0, n, b)])
+        per_rank.append([collate(seqs[i : i + b]) for i in range(0, n, b)])
     steps = max(len(batches) for batches in per_rank)
     for _ in range(cfg['epochs']):
         for t in range(steps):

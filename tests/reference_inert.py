@@ -71,5 +71,7 @@ def evaluate(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, float]:
     x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     with torch.no_grad():
         out = module(x)
-    return {'MulticlassAccuracy': float((out.argmax(1) == y).float().mean()),
-            'MeanLoss': float(torch.nn.functional.cross_entropy(out, y))}
+    return {
+        'MulticlassAccuracy': float((out.argmax(1) == y).float().mean()),
+        'MeanLoss': float(torch.nn.functional.cross_entropy(out, y)),
+    }

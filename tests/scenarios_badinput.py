@@ -34,7 +34,7 @@ class Batches:
 
 def batch(rank: int, step: int, fmt: str) -> Any:
     """Four samples of rank ``rank``'s data as a tuple, a dict, a dict with an extra key, or float64 features."""
-    x, y = (t[4 * step:4 * step + 4] for t in shard(rank, 4 * (step + 1)))
+    x, y = (t[4 * step : 4 * step + 4] for t in shard(rank, 4 * (step + 1)))
     if fmt == 'tuple':
         return x, y
     if fmt == 'dict':
@@ -51,9 +51,16 @@ def train_on(formats: list[list[str]], claimed: list[int | None] | None = None) 
     rank = dist.get_global_rank()
     model = ToyModel('mlp')
     loader = Batches([batch(rank, s, f) for s, f in enumerate(formats[rank])], (claimed or [None] * 2)[rank])
-    trainer = Trainer(model=model, train_dataloader=loader, max_duration='1ep', algorithms=[UnevenJoin()],
-                      optimizers=torch.optim.SGD(model.parameters(), lr=0.1), device=devices.trainer_device(), progress_bar=False,
-                      log_to_console=False)
+    trainer = Trainer(
+        model=model,
+        train_dataloader=loader,
+        max_duration='1ep',
+        algorithms=[UnevenJoin()],
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        device=devices.trainer_device(),
+        progress_bar=False,
+        log_to_console=False,
+    )
     try:
         trainer.fit()
     except UnevenInputsError as e:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from composer import algorithms as algos
 from composer.loss import soft_cross_entropy
 from composer.models import ComposerModel, HuggingFaceModel
@@ -31,9 +30,15 @@ class ConvNet(ComposerModel):
         super().__init__()
         torch.manual_seed(0)
         self.module = torch.nn.Sequential(
-            torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(8, 8, 3, stride=2, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 16), torch.nn.ReLU(),
+            torch.nn.Conv2d(3, 8, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(8, 8, 3, stride=2, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8, 16),
+            torch.nn.ReLU(),
             torch.nn.Linear(16, CLASSES),
         )
 
@@ -86,8 +91,9 @@ VISION = {  # Composer's settings where they fit a 16x16 conv net (Factorize and
 }
 
 NLP = {
-    'SeqLengthWarmup': lambda: algos.SeqLengthWarmup(duration=1.0, min_seq_length=4, max_seq_length=16,
-                                                     step_size=12, truncate=True),
+    'SeqLengthWarmup': lambda: algos.SeqLengthWarmup(
+        duration=1.0, min_seq_length=4, max_seq_length=16, step_size=12, truncate=True
+    ),
     'Alibi': lambda: algos.Alibi(max_sequence_length=32),
     'GatedLinearUnits': lambda: algos.GatedLinearUnits(),
     'LowPrecisionLayerNorm': lambda: algos.LowPrecisionLayerNorm(),
@@ -98,10 +104,18 @@ VOCAB, LENGTH = 32, 16
 def tiny_bert() -> HuggingFaceModel:
     """A two-layer BERT for masked LM, 16 wide, no dropout, always the same initial weights (built offline)."""
     from transformers import BertConfig, BertForMaskedLM
+
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return HuggingFaceModel(BertForMaskedLM(config), use_logits=True)
 
 
@@ -121,8 +135,11 @@ class Sentences(IterableDataset):
             self.read.append(i)
             labels = torch.full_like(ids, -100)
             labels[::3] = ids[::3]
-            yield {'input_ids': ids.masked_fill(labels != -100, 0), 'attention_mask': torch.ones_like(ids),
-                   'labels': labels}
+            yield {
+                'input_ids': ids.masked_fill(labels != -100, 0),
+                'attention_mask': torch.ones_like(ids),
+                'labels': labels,
+            }
 
 
 def algorithm_train(cfg: dict) -> dict[str, Any]:
@@ -143,10 +160,11 @@ def algorithm_train(cfg: dict) -> dict[str, Any]:
     trainer = quiet_trainer(
         model=model,
         train_dataloader=DataLoader(dataset, batch_size=4),
-        max_duration=f"{cfg['epochs']}ep",
+        max_duration=f'{cfg["epochs"]}ep',
         optimizers=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         algorithms=listed,
-        device_train_microbatch_size=cfg.get('microbatch'), ddp_sync_strategy=cfg.get('sync'),
+        device_train_microbatch_size=cfg.get('microbatch'),
+        ddp_sync_strategy=cfg.get('sync'),
         parallelism_config=parallelism(cfg.get('wrapper'), cfg),
     )
     try:
@@ -160,7 +178,8 @@ def algorithm_train(cfg: dict) -> dict[str, Any]:
     ts = trainer.state.timestamp
     return {
         'params': torch.cat([_full(p).detach().flatten().cpu() for p in trainer.state.model.parameters()]),
-        'sample': int(ts.sample), 'batch': int(ts.batch),
+        'sample': int(ts.sample),
+        'batch': int(ts.batch),
         'read': read,
         'real_samples': [list(r.real_samples) for r in join.reports] if cfg['join'] else [],
     }

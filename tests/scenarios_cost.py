@@ -27,7 +27,7 @@ class PlannedBatches:
     def __iter__(self):
         start = 0
         for n in self.sizes:
-            yield self.x[start:start + n], self.y[start:start + n]
+            yield self.x[start : start + n], self.y[start : start + n]
             start += n
 
 
@@ -39,7 +39,6 @@ def train_batch_plan(cfg: dict) -> dict[str, Any]:
         return rank_scenarios.train(cfg)
     finally:
         rank_scenarios.make_loader = original
-
 
 
 def train_failing_eval(cfg: dict) -> dict[str, Any]:

@@ -109,7 +109,7 @@ def full_params(trainer: Trainer, kind: str) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.module.module.named_parameters()}
     names = {n for n, _ in make_module(kind).named_parameters()}
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k[len("module."):]: v.detach().cpu().clone() for k, v in state.items() if k[len("module."):] in names}
+    return {k[len('module.') :]: v.detach().cpu().clone() for k, v in state.items() if k[len('module.') :] in names}
 
 
 def local_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -128,14 +128,18 @@ def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
     recorder, memory, counter = recorder or Recorder(), InMemoryLogger(), CollectiveCounter()
     checkpoint = {}
     if cfg.get('save_folder'):
-        checkpoint = dict(save_folder=cfg['save_folder'], save_interval=cfg['save_interval'], save_overwrite=True,
-                          save_num_checkpoints_to_keep=-1)
+        checkpoint = dict(
+            save_folder=cfg['save_folder'],
+            save_interval=cfg['save_interval'],
+            save_overwrite=True,
+            save_num_checkpoints_to_keep=-1,
+        )
     if cfg.get('load_path'):
         checkpoint['load_path'] = cfg['load_path']
     trainer = quiet_trainer(
         model=model,
         train_dataloader=make_loader(cfg, rank),
-        max_duration=cfg.get('max_duration', f"{cfg.get('epochs', 1)}ep"),
+        max_duration=cfg.get('max_duration', f'{cfg.get("epochs", 1)}ep'),
         optimizers=make_optimizer(cfg, model.parameters()),
         algorithms=[join] if join is not None else [],
         callbacks=[recorder] + ([counter] if cfg.get('count_collectives') else []),
@@ -160,8 +164,11 @@ def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
         'timestamp': {'batch': int(ts.batch), 'sample': int(ts.sample), 'epoch': int(ts.epoch)},
         'reports': [vars(r).copy() for r in join.reports] if join is not None else [],
         'collectives': counter.steps,
-        'eval': {k.split('/')[-1]: [float(v) for _, v in vals] for k, vals in memory.data.items()
-                 if k.startswith('metrics/eval/')},
+        'eval': {
+            k.split('/')[-1]: [float(v) for _, v in vals]
+            for k, vals in memory.data.items()
+            if k.startswith('metrics/eval/')
+        },
         'max_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 

@@ -63,19 +63,24 @@ def hf_train(cfg: dict) -> dict[str, Any]:
     padded = cfg.get('tokens', False)
     model = HuggingFaceModel(make_gpt2(), use_logits=True, eval_metrics=[LanguageCrossEntropy(), TokensEvaluated()])
     optimizer = optimizer_for(cfg, model.parameters())
-    train_loader = DataLoader(Sequences(train_shard(rank, cfg['shards'][rank], padded)), batch_size=cfg['batch_size'],
-                              collate_fn=collate)
-    eval_loader = DataLoader(Sequences(eval_shard(rank, cfg['eval_shards'][rank], padded)),
-                             batch_size=cfg.get('eval_batch_size', 4), collate_fn=collate)
+    train_loader = DataLoader(
+        Sequences(train_shard(rank, cfg['shards'][rank], padded)), batch_size=cfg['batch_size'], collate_fn=collate
+    )
+    eval_loader = DataLoader(
+        Sequences(eval_shard(rank, cfg['eval_shards'][rank], padded)),
+        batch_size=cfg.get('eval_batch_size', 4),
+        collate_fn=collate,
+    )
     join = UnevenJoin(**cfg['join']) if cfg.get('join') is not None else None
     recorder, memory = Recorder(), InMemoryLogger()
     trainer = quiet_trainer(
         model=model,
         train_dataloader=DataSpec(train_loader, get_num_tokens_in_batch=loss_generating_tokens),
-        eval_dataloader=Evaluator(label='eval', dataloader=eval_loader,
-                                  metric_names=['LanguageCrossEntropy', 'TokensEvaluated']),
+        eval_dataloader=Evaluator(
+            label='eval', dataloader=eval_loader, metric_names=['LanguageCrossEntropy', 'TokensEvaluated']
+        ),
         eval_interval=cfg.get('eval_interval', '1ep'),
-        max_duration=f"{cfg['epochs']}ep",
+        max_duration=f'{cfg["epochs"]}ep',
         optimizers=optimizer,
         algorithms=[join] if join is not None else [],
         callbacks=[recorder],
@@ -89,8 +94,11 @@ def hf_train(cfg: dict) -> dict[str, Any]:
     finally:
         trainer.close()
     ts = trainer.state.timestamp
-    eval_logged = {k.split('/')[-1]: [float(v) for _, v in vals] for k, vals in memory.data.items()
-                   if k.startswith('metrics/eval/')}
+    eval_logged = {
+        k.split('/')[-1]: [float(v) for _, v in vals]
+        for k, vals in memory.data.items()
+        if k.startswith('metrics/eval/')
+    }
     return {
         'params': {k: v.detach().clone() for k, v in model.model.named_parameters()},
         'step_params': recorder.params,
@@ -153,10 +161,13 @@ def mutating_train(cfg: dict) -> dict[str, Any]:
     trainer = quiet_trainer(
         model=model,
         train_dataloader=_dict_loader(*shard(rank, cfg['shards'][rank]), cfg['batch_size']),
-        eval_dataloader=Evaluator(label='eval', dataloader=_dict_loader(*shard(50 + rank, cfg['eval_shards'][rank]), 4),
-                                  metric_names=['MeanLoss']),
+        eval_dataloader=Evaluator(
+            label='eval',
+            dataloader=_dict_loader(*shard(50 + rank, cfg['eval_shards'][rank]), 4),
+            metric_names=['MeanLoss'],
+        ),
         eval_interval=cfg['eval_interval'],
-        max_duration=f"{cfg['epochs']}ep",
+        max_duration=f'{cfg["epochs"]}ep',
         optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         algorithms=[UnevenJoin(**cfg['join'])],
         callbacks=[recorder],

@@ -14,8 +14,14 @@ from torchmetrics.classification import MulticlassAccuracy
 import syncbn_cpu
 import toy_inert
 from composer_join import UnevenJoin
-from rank_scenarios import AsksForUnusedParameters, error_if_expected, make_evaluator, make_loader, make_optimizer, \
-    quiet_trainer
+from rank_scenarios import (
+    AsksForUnusedParameters,
+    error_if_expected,
+    make_evaluator,
+    make_loader,
+    make_optimizer,
+    quiet_trainer,
+)
 from toy import CLASSES, unpack
 
 
@@ -37,8 +43,14 @@ class InertModel(ComposerModel):
         return toy_inert.loss_mean(self.kind_loss, outputs, unpack(batch)[1])
 
     def get_metrics(self, is_train: bool = False):
-        return {} if is_train else {'MulticlassAccuracy': MulticlassAccuracy(num_classes=CLASSES, average='micro'),
-                                    'MeanLoss': MeanMetric()}
+        return (
+            {}
+            if is_train
+            else {
+                'MulticlassAccuracy': MulticlassAccuracy(num_classes=CLASSES, average='micro'),
+                'MeanLoss': MeanMetric(),
+            }
+        )
 
     def update_metric(self, batch, outputs, metric):
         y = unpack(batch)[1]
@@ -72,13 +84,15 @@ def train_inert(cfg: dict, **checkpointing) -> dict[str, Any]:
     rank = dist.get_global_rank()
     model = InertModel(cfg['model'], cfg.get('loss', 'ce'))
     from composer.loggers import InMemoryLogger
+
     memory, evals = InMemoryLogger(), EvalStates(model.module)
     trainer = quiet_trainer(
         model=model,
         train_dataloader=make_loader(cfg, rank),
-        max_duration=f"{cfg.get('epochs', 1)}ep",
+        max_duration=f'{cfg.get("epochs", 1)}ep',
         optimizers=make_optimizer(cfg, model.parameters()),
-        algorithms=[UnevenJoin(**cfg.get('join', {}))] + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
+        algorithms=[UnevenJoin(**cfg.get('join', {}))]
+        + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
         callbacks=[evals],
         loggers=[memory],
         device_train_microbatch_size=cfg.get('microbatch'),
@@ -95,8 +109,11 @@ def train_inert(cfg: dict, **checkpointing) -> dict[str, Any]:
         'state': _state(model.module),
         'forward_sizes': model.forward_sizes,
         'eval_states': evals.states,
-        'eval': {k.split('/')[-1]: [float(v) for _, v in vals] for k, vals in memory.data.items()
-                 if k.startswith('metrics/eval/')},
+        'eval': {
+            k.split('/')[-1]: [float(v) for _, v in vals]
+            for k, vals in memory.data.items()
+            if k.startswith('metrics/eval/')
+        },
     }
 
 
@@ -123,4 +140,3 @@ def resume(cfg: dict, folder: str) -> dict[str, Any]:
     full = train_inert(cfg, save_folder=full_dir, save_interval='1ba', save_overwrite=True)
     resumed = train_inert(cfg, load_path=checkpoint(full_dir, cfg['resume_at']))
     return {'error': full['error'] or resumed['error'], 'state': full['state'], 'resumed': resumed['state']}
-

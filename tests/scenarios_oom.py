@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from composer.utils import dist
 
 import rank_scenarios
-from composer.utils import dist
 
 OOM_MESSAGE = 'CUDA out of memory. Tried to allocate 2.00 GiB (raised by the test on purpose)'
 

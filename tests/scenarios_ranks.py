@@ -30,10 +30,16 @@ def with_settings(per_rank: list[Optional[dict]], shards: list[int], batch_size:
     model = ToyModel('mlp')
     settings = per_rank[rank]
     cfg = dict(shards=shards, batch_size=batch_size)
-    trainer = Trainer(model=model, train_dataloader=make_loader(cfg, rank), max_duration='1ep',
-                      algorithms=[UnevenJoin(**settings)] if settings is not None else [],
-                      optimizers=torch.optim.SGD(model.parameters(), lr=0.1), device='cpu', progress_bar=False,
-                      log_to_console=False)
+    trainer = Trainer(
+        model=model,
+        train_dataloader=make_loader(cfg, rank),
+        max_duration='1ep',
+        algorithms=[UnevenJoin(**settings)] if settings is not None else [],
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        device='cpu',
+        progress_bar=False,
+        log_to_console=False,
+    )
     start = time.monotonic()
     error: Optional[str] = None
     try:
@@ -44,7 +50,9 @@ def with_settings(per_rank: list[Optional[dict]], shards: list[int], batch_size:
         error = f'{type(e).__name__}: {e}'
     seconds = time.monotonic() - start
     # printed too: where a rank aborts, the launch returns no results, only every rank's output
-    print(f'rank {rank} stopped after {seconds:.2f} s at batch {int(trainer.state.timestamp.batch)}: {error}', flush=True)
+    print(
+        f'rank {rank} stopped after {seconds:.2f} s at batch {int(trainer.state.timestamp.batch)}: {error}', flush=True
+    )
     try:
         trainer.close()
     except RuntimeError:  # a barrier, where another rank has died
@@ -92,7 +100,7 @@ def parse(batch: list) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pairs(batch: list, microbatch_size: int) -> list:
     """A custom ``split_batch``: microbatches of two samples, whatever the microbatch size."""
-    return [batch[i:i + 2] for i in range(0, len(batch), 2)]
+    return [batch[i : i + 2] for i in range(0, len(batch), 2)]
 
 
 class ListModel(ToyModel):
@@ -146,20 +154,34 @@ def train_lists(cfg: dict) -> dict[str, Any]:
     extra = {}
     if cfg.get('wrapper'):
         from scenarios_fsdp import cpu_fsdp_workarounds, parallelism
+
         cpu_fsdp_workarounds()
         extra['parallelism_config'] = parallelism(cfg['wrapper'], cfg)
     model, steps, join = ListModel(), Steps(), UnevenJoin(**cfg.get('join', {}))
     trainer = quiet_trainer(
-        model=model, train_dataloader=spec, max_duration=f"{cfg.get('epochs', 1)}ep",
-        optimizers=make_optimizer(cfg, model.parameters()), algorithms=[join], callbacks=[steps],
-        device_train_microbatch_size=cfg.get('microbatch'), ddp_sync_strategy=cfg.get('sync'), **extra,
+        model=model,
+        train_dataloader=spec,
+        max_duration=f'{cfg.get("epochs", 1)}ep',
+        optimizers=make_optimizer(cfg, model.parameters()),
+        algorithms=[join],
+        callbacks=[steps],
+        device_train_microbatch_size=cfg.get('microbatch'),
+        ddp_sync_strategy=cfg.get('sync'),
+        **extra,
     )
     error = error_if_expected(cfg, trainer.fit)
     if cfg.get('wrapper'):
         from scenarios_fsdp import full_params
+
         params = full_params(trainer, 'mlp') if error is None else {}
     else:
         params = {k: v.detach().clone() for k, v in model.module.named_parameters()}
     trainer.close()
-    return {'error': error, 'params': params, 'shadow': steps.shadow, 'microbatches': steps.microbatches,
-            'reports': [vars(r).copy() for r in join.reports], 'sample': int(trainer.state.timestamp.sample)}
+    return {
+        'error': error,
+        'params': params,
+        'shadow': steps.shadow,
+        'microbatches': steps.microbatches,
+        'reports': [vars(r).copy() for r in join.reports],
+        'sample': int(trainer.state.timestamp.sample),
+    }

@@ -48,12 +48,16 @@ def make_loader(cfg: dict, rank: int) -> DataLoader:
     cls = IdShard if unsized == 'all' or rank in unsized else SizedIdShard
     dataset = cls(rank, cfg['shards'][rank], cfg.get('fail_at', {}).get(rank))
     if cfg.get('fmt') == 'local_dict':  # batches that pickle refuses (a class it cannot import), deepcopy does not
+
         class LocalDict(dict):
             pass
 
         def collate(samples):
-            return LocalDict(x=torch.stack([s[0] for s in samples]), y=torch.stack([s[1] for s in samples]),
-                             ids=torch.tensor([s[2] for s in samples]))
+            return LocalDict(
+                x=torch.stack([s[0] for s in samples]),
+                y=torch.stack([s[1] for s in samples]),
+                ids=torch.tensor([s[2] for s in samples]),
+            )
 
         return DataLoader(dataset, batch_size=cfg['batch_size'], collate_fn=collate)
     return DataLoader(dataset, batch_size=cfg['batch_size'])
@@ -68,11 +72,15 @@ class Trained(Callback):
 
     def batch_start(self, state, logger):
         shadow = is_shadow_step(state)
-        self.steps.append({
-            'epoch': int(state.timestamp.epoch), 'batch': int(state.timestamp.batch),
-            'ids': None if shadow else [int(i) for i in (
-                state.batch['ids'] if isinstance(state.batch, dict) else state.batch[2])],
-        })
+        self.steps.append(
+            {
+                'epoch': int(state.timestamp.epoch),
+                'batch': int(state.timestamp.batch),
+                'ids': None
+                if shadow
+                else [int(i) for i in (state.batch['ids'] if isinstance(state.batch, dict) else state.batch[2])],
+            }
+        )
 
     def batch_end(self, state, logger):
         self.params.append(torch.cat([p.detach().cpu().flatten().clone() for p in state.model.parameters()]))
@@ -89,10 +97,15 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
     logging.getLogger('composer_join').setLevel(logging.INFO)
     loader = make_loader(cfg, rank)
     trainer = quiet_trainer(
-        model=model, train_dataloader=loader, optimizers=optimizer,
-        max_duration=cfg.get('max_duration', f"{sum(cfg['shards']) * cfg.get('epochs', 1)}sp"),
-        algorithms=[join], callbacks=[trained] + kwargs.pop('callbacks', []),
-        device_train_microbatch_size=cfg.get('microbatch'), ddp_sync_strategy=cfg.get('sync'), **kwargs,
+        model=model,
+        train_dataloader=loader,
+        optimizers=optimizer,
+        max_duration=cfg.get('max_duration', f'{sum(cfg["shards"]) * cfg.get("epochs", 1)}sp'),
+        algorithms=[join],
+        callbacks=[trained] + kwargs.pop('callbacks', []),
+        device_train_microbatch_size=cfg.get('microbatch'),
+        ddp_sync_strategy=cfg.get('sync'),
+        **kwargs,
     )
     try:
         error = error_if_expected(cfg, trainer.fit)
@@ -146,8 +159,12 @@ class TrainedText(Callback):
         self.steps: list[dict[str, Any]] = []
 
     def batch_start(self, state, logger):
-        self.steps.append({'batch': None if is_shadow_step(state) else tuple(t.clone() for t in state.batch),
-                           'lr': state.optimizers[0].param_groups[0]['lr']})
+        self.steps.append(
+            {
+                'batch': None if is_shadow_step(state) else tuple(t.clone() for t in state.batch),
+                'lr': state.optimizers[0].param_groups[0]['lr'],
+            }
+        )
 
 
 def text_token_budget(overrides: list[str]) -> dict[str, Any]:
@@ -161,8 +178,8 @@ def text_token_budget(overrides: list[str]) -> dict[str, Any]:
 
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / 'examples'))
-    from data import DATASETS  # noqa: E402
-    from models import MODELS  # noqa: E402
+    from data import DATASETS
+    from models import MODELS
 
     cfg = OmegaConf.to_container(load_config(root / 'configs' / 'text_token_budget.yaml', overrides))
     # Without len(), max_duration is in samples, and Composer wants the warmup in the same unit.
@@ -185,7 +202,10 @@ def text_token_budget(overrides: list[str]) -> dict[str, Any]:
         trainer.close()
     join = next(a for a in kwargs['algorithms'] if isinstance(a, UnevenJoin))
     return {
-        'init': init, 'own': own.yielded, 'steps': recorder.steps, 'mode': join.mode,
+        'init': init,
+        'own': own.yielded,
+        'steps': recorder.steps,
+        'mode': join.mode,
         'params': {k: v.detach().clone() for k, v in model.named_parameters()},
         'loader': type(join._train_loader.dataloader).__name__,
     }

@@ -13,8 +13,15 @@ from torch.utils.data import DataLoader
 
 from composer_join import ExactDistributedSampler, UnevenJoin, is_shadow_step
 from rank_scenarios import (
-    error_if_expected, quiet_trainer,
-    AsksForUnusedParameters, Indexed, LogLines, ShardWithLen, ToyModel, make_loader, make_optimizer,
+    AsksForUnusedParameters,
+    Indexed,
+    LogLines,
+    ShardWithLen,
+    ToyModel,
+    error_if_expected,
+    make_loader,
+    make_optimizer,
+    quiet_trainer,
 )
 from toy import shard, unpack
 
@@ -31,8 +38,8 @@ class SkewedSampler(ExactDistributedSampler):
     def __iter__(self):
         g = torch.Generator()
         g.manual_seed(self.seed + self.epoch)
-        start = sum(self.sizes[:self.rank])
-        return iter(torch.randperm(len(self.dataset), generator=g)[start:start + self.sizes[self.rank]].tolist())
+        start = sum(self.sizes[: self.rank])
+        return iter(torch.randperm(len(self.dataset), generator=g)[start : start + self.sizes[self.rank]].tolist())
 
     def __len__(self) -> int:
         return self.sizes[self.rank]
@@ -48,14 +55,16 @@ class Trained(Callback):
     def batch_start(self, state, logger):
         batch = state.batch
         x, y = unpack(batch)
-        self.steps.append({
-            'epoch': int(state.timestamp.epoch),
-            'shadow': is_shadow_step(state),
-            'size': len(y),
-            'first_x': x[0].cpu().clone() if len(y) else None,
-            'ids': [int(i) for i in batch[2]] if isinstance(batch, (tuple, list)) and len(batch) == 3 else None,
-            'text': list(batch['text']) if isinstance(batch, dict) and 'text' in batch else None,
-        })
+        self.steps.append(
+            {
+                'epoch': int(state.timestamp.epoch),
+                'shadow': is_shadow_step(state),
+                'size': len(y),
+                'first_x': x[0].cpu().clone() if len(y) else None,
+                'ids': [int(i) for i in batch[2]] if isinstance(batch, (tuple, list)) and len(batch) == 3 else None,
+                'text': list(batch['text']) if isinstance(batch, dict) and 'text' in batch else None,
+            }
+        )
 
     def batch_end(self, state, logger):
         self.params.append(torch.cat([p.detach().cpu().flatten().clone() for p in state.model.parameters()]))
@@ -63,9 +72,13 @@ class Trained(Callback):
 
 def _loader(cfg: dict, rank: int):
     if cfg.get('fmt') == 'lambdas':  # dict batches that also hold something pickle refuses (deepcopy does not)
+
         def collate(samples):
-            return {'x': torch.stack([s[0] for s in samples]), 'y': torch.stack([s[1] for s in samples]),
-                    'hooks': [lambda: None for _ in samples]}
+            return {
+                'x': torch.stack([s[0] for s in samples]),
+                'y': torch.stack([s[1] for s in samples]),
+                'hooks': [lambda: None for _ in samples],
+            }
 
         dataset = ShardWithLen(*shard(rank, cfg['shards'][rank]))
         return DataLoader(dataset, batch_size=cfg['batch_size'], collate_fn=collate)
@@ -87,7 +100,7 @@ def train(cfg: dict) -> dict[str, Any]:
     trainer = quiet_trainer(
         model=model,
         train_dataloader=_loader(cfg, rank),
-        max_duration=cfg.get('max_duration', f"{cfg.get('epochs', 1)}ep"),
+        max_duration=cfg.get('max_duration', f'{cfg.get("epochs", 1)}ep'),
         optimizers=optimizer,
         algorithms=[join] + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
         callbacks=[trained],

@@ -74,7 +74,7 @@ class UnevenShuffled(DistributedSampler):
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         perm = torch.randperm(len(self.dataset), generator=g).tolist()
-        return iter(perm[self.cuts[self.rank]:self.cuts[self.rank + 1]])
+        return iter(perm[self.cuts[self.rank] : self.cuts[self.rank + 1]])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -84,10 +84,15 @@ def make_loader(cfg: dict, rank: int):
     kind, b = cfg['data'], cfg['batch_sizes'][rank] if 'batch_sizes' in cfg else cfg['batch_size']
     if kind in ('shuffled_subclass', 'exact_sampler'):
         dataset = Indexed(*shard(7, cfg['map_size']))
-        sampler = UnevenShuffled(dataset, cfg['cuts']) if kind == 'shuffled_subclass' else \
-            ExactDistributedSampler(dataset, shuffle=True, seed=3)
+        sampler = (
+            UnevenShuffled(dataset, cfg['cuts'])
+            if kind == 'shuffled_subclass'
+            else ExactDistributedSampler(dataset, shuffle=True, seed=3)
+        )
         return DataLoader(dataset, batch_size=b, sampler=sampler)
-    dataset = {'sized': SizedIdShard, 'unsized': IdShard, 'self_resuming': SelfResuming}[kind](rank, cfg['shards'][rank])
+    dataset = {'sized': SizedIdShard, 'unsized': IdShard, 'self_resuming': SelfResuming}[kind](
+        rank, cfg['shards'][rank]
+    )
     return DataLoader(dataset, batch_size=b)
 
 
@@ -124,15 +129,23 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
     join, ids = UnevenJoin(**cfg.get('join', {})), Ids()
     if cfg.get('wrapper'):  # FSDP1/FSDP2 (tests/scenarios_fsdp.py): sharded checkpoints
         from scenarios_fsdp import cpu_fsdp_workarounds, parallelism
+
         cpu_fsdp_workarounds()
         kwargs['parallelism_config'] = parallelism(cfg['wrapper'], cfg)
     loader = make_loader(cfg, rank)
     trainer = Trainer(
-        model=model, train_dataloader=loader, optimizers=optimizer,
-        max_duration=cfg.get('max_duration', f"{cfg.get('epochs', 2)}ep"),
+        model=model,
+        train_dataloader=loader,
+        optimizers=optimizer,
+        max_duration=cfg.get('max_duration', f'{cfg.get("epochs", 2)}ep'),
         algorithms=[join] + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
-        callbacks=[ids] + kwargs.pop('callbacks', []), device=devices.trainer_device(), progress_bar=False, log_to_console=False,
-        seed=0, device_train_microbatch_size=cfg.get('microbatch'), ddp_sync_strategy=cfg.get('sync'),
+        callbacks=[ids] + kwargs.pop('callbacks', []),
+        device=devices.trainer_device(),
+        progress_bar=False,
+        log_to_console=False,
+        seed=0,
+        device_train_microbatch_size=cfg.get('microbatch'),
+        ddp_sync_strategy=cfg.get('sync'),
         **kwargs,
     )
     try:
@@ -143,14 +156,16 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
     dataset = loader.dataset
     if cfg.get('wrapper'):
         from scenarios_fsdp import full_params
+
         params = full_params(trainer, 'mlp')
     else:
         params = {k: v.detach().clone() for k, v in model.module.named_parameters()}
     return {
         'params': params,
         'optimizer': _flat_optimizer_state(optimizer) if not cfg.get('wrapper') else _local_optimizer_state(optimizer),
-        'timestamp': {k: int(getattr(ts, k)) for k in ('epoch', 'batch', 'sample', 'token', 'batch_in_epoch',
-                                                          'sample_in_epoch')},
+        'timestamp': {
+            k: int(getattr(ts, k)) for k in ('epoch', 'batch', 'sample', 'token', 'batch_in_epoch', 'sample_in_epoch')
+        },
         'ids': ids.ids,
         'reports': [vars(r).copy() for r in join.reports],
         'dataset_counts': getattr(dataset, 'saved', None),
@@ -160,14 +175,19 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
 def _local_optimizer_state(optimizer) -> torch.Tensor:
     """This rank's shard of the optimizer state, flat (FSDP keeps DTensors)."""
     state = optimizer.state_dict()['state']
-    tensors = [getattr(v, 'to_local', lambda: v)().flatten().float().cpu() for s in state.values()
-               for v in s.values() if isinstance(v, torch.Tensor)]
+    tensors = [
+        (v.to_local() if hasattr(v, 'to_local') else v).flatten().float().cpu()
+        for s in state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    ]
     return torch.cat(tensors) if tensors else torch.zeros(0)
 
 
 def checkpoint(folder: str, batch: int) -> str:
-    found = glob.glob(os.path.join(folder, f'ep*-ba{batch}-rank0.pt')) or \
-        glob.glob(os.path.join(folder, f'ep*-ba{batch}'))  # a sharded checkpoint is a folder
+    found = glob.glob(os.path.join(folder, f'ep*-ba{batch}-rank0.pt')) or glob.glob(
+        os.path.join(folder, f'ep*-ba{batch}')
+    )  # a sharded checkpoint is a folder
     assert len(found) == 1, (folder, batch, found)
     return found[0]
 

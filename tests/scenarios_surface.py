@@ -24,8 +24,9 @@ class PredictRecorder(Callback):
         self.seen: list[tuple[int, int, bool, int]] = []
 
     def predict_batch_end(self, state, logger):
-        self.seen.append((len(state.outputs), len(state.batch[0]), is_shadow_step(state),
-                          int(state.predict_timestamp.sample)))
+        self.seen.append(
+            (len(state.outputs), len(state.batch[0]), is_shadow_step(state), int(state.predict_timestamp.sample))
+        )
 
 
 def predict(cfg: dict) -> dict[str, Any]:
@@ -36,7 +37,9 @@ def predict(cfg: dict) -> dict[str, Any]:
     model = ToyModel('mlp')
     recorder = PredictRecorder()
     trainer = quiet_trainer(
-        model=model, callbacks=[recorder], parallelism_config=parallelism(cfg.get('wrapper'), cfg),
+        model=model,
+        callbacks=[recorder],
+        parallelism_config=parallelism(cfg.get('wrapper'), cfg),
         algorithms=[UnevenJoin()] if cfg.get('join', True) else [],
     )
     x, y = shard(60 + rank, cfg['shards'][rank])
@@ -49,24 +52,29 @@ def predict(cfg: dict) -> dict[str, Any]:
     return {
         'outputs': [o.detach().cpu().clone() for o in outputs],
         'seen': recorder.seen,
-        'predict_sample': int(ts.sample), 'predict_batch': int(ts.batch),
+        'predict_sample': int(ts.sample),
+        'predict_batch': int(ts.batch),
     }
 
 
 def _callback(name: str, folder: str):
     from composer import callbacks as cbs
+
     return {
         'SpeedMonitor': lambda: cbs.SpeedMonitor(window_size=3),
         'LRMonitor': lambda: cbs.LRMonitor(),
         'OptimizerMonitor': lambda: cbs.OptimizerMonitor(batch_log_interval=1),
         'MemoryMonitor': lambda: cbs.MemoryMonitor(),
         'RuntimeEstimator': lambda: cbs.RuntimeEstimator(skip_batches=1),
-        'CheckpointSaver': lambda: cbs.CheckpointSaver(folder=folder, filename='ba{batch}-rank{rank}.pt',
-                                                       save_interval='3ba', num_checkpoints_to_keep=-1),
-        'EarlyStopper': lambda: cbs.EarlyStopper(monitor='MeanLoss', dataloader_label='eval', patience='2ba',
-                                                 min_delta=10.0),
-        'ThresholdStopper': lambda: cbs.ThresholdStopper(monitor='MulticlassAccuracy', dataloader_label='eval',
-                                                         threshold=0.0, comp=torch.greater_equal),
+        'CheckpointSaver': lambda: cbs.CheckpointSaver(
+            folder=folder, filename='ba{batch}-rank{rank}.pt', save_interval='3ba', num_checkpoints_to_keep=-1
+        ),
+        'EarlyStopper': lambda: cbs.EarlyStopper(
+            monitor='MeanLoss', dataloader_label='eval', patience='2ba', min_delta=10.0
+        ),
+        'ThresholdStopper': lambda: cbs.ThresholdStopper(
+            monitor='MulticlassAccuracy', dataloader_label='eval', threshold=0.0, comp=torch.greater_equal
+        ),
     }[name]()
 
 
@@ -104,11 +112,16 @@ def surface_train(cfg: dict) -> dict[str, Any]:
     callbacks = [_callback(name, folder) for name in cfg.get('callbacks', [])]
     data = dict(shards=cfg['shards'], batch_size=8, fmt=cfg.get('fmt', 'tuple'))
     trainer = quiet_trainer(
-        model=model, train_dataloader=make_loader(data, rank),
-        eval_dataloader=make_evaluator(cfg, rank), eval_interval=cfg.get('eval_interval', 1),
+        model=model,
+        train_dataloader=make_loader(data, rank),
+        eval_dataloader=make_evaluator(cfg, rank),
+        eval_interval=cfg.get('eval_interval', 1),
         max_duration=cfg.get('max_duration', '2ep'),
         optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-        algorithms=[UnevenJoin()], callbacks=[steps, *callbacks], loggers=[memory], **cfg.get('trainer', {}),
+        algorithms=[UnevenJoin()],
+        callbacks=[steps, *callbacks],
+        loggers=[memory],
+        **cfg.get('trainer', {}),
     )
     try:
         for kwargs in cfg.get('fits', [{}]):
@@ -118,12 +131,20 @@ def surface_train(cfg: dict) -> dict[str, Any]:
     ts = trainer.state.timestamp
     speed = next((c for c in callbacks if type(c).__name__ == 'SpeedMonitor'), None)
     return {
-        'batch': int(ts.batch), 'sample': int(ts.sample), 'token': int(ts.token), 'epoch': int(ts.epoch),
-        'shadow': steps.shadow, 'evals': steps.evals, 'eval_batches': steps.eval_batches,
-        'logged': {k: [float(v) if not isinstance(v, torch.Tensor) else float(v.float().mean()) for _, v in vals]
-                   for k, vals in memory.data.items()
-                   if k.startswith(('lr-', 'l2_norm/grad/global', 'throughput/samples_per_sec', 'time/remaining_estimate',
-                                    'metrics/eval/'))},
+        'batch': int(ts.batch),
+        'sample': int(ts.sample),
+        'token': int(ts.token),
+        'epoch': int(ts.epoch),
+        'shadow': steps.shadow,
+        'evals': steps.evals,
+        'eval_batches': steps.eval_batches,
+        'logged': {
+            k: [float(v) if not isinstance(v, torch.Tensor) else float(v.float().mean()) for _, v in vals]
+            for k, vals in memory.data.items()
+            if k.startswith(
+                ('lr-', 'l2_norm/grad/global', 'throughput/samples_per_sec', 'time/remaining_estimate', 'metrics/eval/')
+            )
+        },
         'speed_samples': list(speed.history_samples) if speed is not None else [],
         'checkpoints': sorted(p.name for p in Path(folder).glob('*.pt')) if rank == 0 else [],
         'params': torch.cat([p.detach().flatten() for p in model.parameters()]),
@@ -171,9 +192,13 @@ def hf_generate(cfg: dict) -> dict[str, Any]:
     runs, steps = GenerateRuns(generate), Steps()
     trainer = quiet_trainer(
         model=model,
-        train_dataloader=DataLoader(Sequences(train_shard(rank, cfg['shards'][rank])), batch_size=4, collate_fn=collate),
-        max_duration='2ep', optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-        algorithms=[UnevenJoin()], callbacks=[generate, runs, steps],
+        train_dataloader=DataLoader(
+            Sequences(train_shard(rank, cfg['shards'][rank])), batch_size=4, collate_fn=collate
+        ),
+        max_duration='2ep',
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        algorithms=[UnevenJoin()],
+        callbacks=[generate, runs, steps],
     )
     try:
         trainer.fit()
@@ -189,8 +214,12 @@ def without_join_pass(cfg: dict) -> str:
 
     rank = dist.get_global_rank()
     model = ToyModel('mlp')
-    trainer = quiet_trainer(model=model, train_dataloader=make_loader(dict(shards=cfg['shards'], batch_size=8), rank),
-                            max_duration='1ep', algorithms=[UnevenJoin()])
+    trainer = quiet_trainer(
+        model=model,
+        train_dataloader=make_loader(dict(shards=cfg['shards'], batch_size=8), rank),
+        max_duration='1ep',
+        algorithms=[UnevenJoin()],
+    )
     trainer.engine.algorithm_passes.remove(join_pass)
     try:
         trainer.fit()

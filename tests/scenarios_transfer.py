@@ -16,9 +16,23 @@ import devices
 from composer_join import UnevenInputsError
 from composer_join.rebalance import RebalancingLoader
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64,
-          torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-          torch.complex128]
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.uint16,
+    torch.int32,
+    torch.uint32,
+    torch.int64,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+]
 
 
 def batch_of_every_dtype(seed: int) -> dict[str, Any]:
@@ -37,8 +51,11 @@ def batch_of_every_dtype(seed: int) -> dict[str, Any]:
             info = torch.iinfo(dtype)
             values = torch.randint(0, 1 << 20, (4, 3), generator=g, dtype=torch.int64)
             values[0, 0] = info.max if dtype != torch.uint64 else (1 << 63) - 1
-            batch[name] = values.to(dtype) if dtype not in (torch.uint16, torch.uint32, torch.uint64) else \
-                (values % (info.max if dtype != torch.uint64 else (1 << 62))).to(dtype)
+            batch[name] = (
+                values.to(dtype)
+                if dtype not in (torch.uint16, torch.uint32, torch.uint64)
+                else (values % (info.max if dtype != torch.uint64 else (1 << 62))).to(dtype)
+            )
     batch['scalar'] = torch.tensor(3.25, dtype=torch.float64)
     batch['transposed'] = torch.randn(4, 3, generator=g).t()
     batch['empty'] = torch.zeros(0, 7, dtype=torch.int16)
@@ -64,5 +81,10 @@ def transfer(unsendable: bool = False) -> dict[str, Any]:
         return {'error': str(e)}
     out = received[0]
     devices_seen = sorted({str(v.device.type) for v in out.values() if isinstance(v, torch.Tensor)})
-    return {'error': None, 'batch': to_cpu(out), 'devices': devices_seen, 'bytes_received': loader.bytes_received,
-            'bytes_sent': loader.bytes_sent}
+    return {
+        'error': None,
+        'batch': to_cpu(out),
+        'devices': devices_seen,
+        'bytes_received': loader.bytes_received,
+        'bytes_sent': loader.bytes_sent,
+    }

@@ -41,7 +41,8 @@ def batch_norm_stats(input, eps):
 def batch_norm_gather_stats_with_counts(input, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts):
     if input.is_cuda:
         return _REAL['batch_norm_gather_stats_with_counts'](
-            input, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts)
+            input, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts
+        )
     counts = counts.to(mean_all.dtype).view(-1, 1)
     total = counts.sum()
     mean = (counts * mean_all).sum(0) / total
@@ -87,8 +88,13 @@ def batch_norm_backward_elemt(grad_out, input, mean, invstd, weight, sum_dy, sum
     return (grad_out - mean_dy - (input - _shape(mean, input)) * inv.pow(2) * mean_dy_xmu) * scale
 
 
-_KERNELS = (batch_norm_stats, batch_norm_gather_stats_with_counts, batch_norm_elemt, batch_norm_backward_reduce,
-            batch_norm_backward_elemt)
+_KERNELS = (
+    batch_norm_stats,
+    batch_norm_gather_stats_with_counts,
+    batch_norm_elemt,
+    batch_norm_backward_reduce,
+    batch_norm_backward_elemt,
+)
 
 
 @contextlib.contextmanager

@@ -38,18 +38,19 @@ DDP: dict[str, dict] = {
     'real_rank_loss_forced': dict(BASE, sync='forced_sync', oom=oom([0], [3], 'loss')),
     'planned_loss_forced': dict(BASE, sync='forced_sync', join=NO_DIVIDE, oom=oom([1], [1], 'loss')),
     'planned_backward': dict(BASE, oom=oom([0], [1], 'backward')),
-    'unused_params_multi': dict(BASE, sync='multi_auto_sync', model='branch', find_unused=True, optimizer='adam',
-                                oom=oom([1], [2])),
+    'unused_params_multi': dict(
+        BASE, sync='multi_auto_sync', model='branch', find_unused=True, optimizer='adam', oom=oom([1], [2])
+    ),
     'no_len_forward': dict(BASE, dataset='iterable_nolen', max_duration='5ba', max_steps=5, oom=oom([1], [0])),
-    'both_ranks_twice': dict(BASE, sync='multi_auto_sync',
-                             oom=oom([0, 1], [2]) + oom([0], [2], 'loss', limit=1)),
+    'both_ranks_twice': dict(BASE, sync='multi_auto_sync', oom=oom([0, 1], [2]) + oom([0], [2], 'loss', limit=1)),
     'eval_one_rank': dict(BASE, eval_shards=[20, 7], eval_microbatch=4, oom=oom([1], ['eval'])),
 }
 FSDP: dict[str, dict] = {
     'fsdp1_planned_forward': dict(BASE, wrapper='fsdp1', oom=oom([1], [0])),
     'fsdp1_agreed_loss': dict(BASE, wrapper='fsdp1', oom=oom([0], [2], 'loss')),
-    'fsdp1_no_len': dict(BASE, wrapper='fsdp1', dataset='iterable_nolen', max_duration='5ba', max_steps=5,
-                         oom=oom([0], [1])),
+    'fsdp1_no_len': dict(
+        BASE, wrapper='fsdp1', dataset='iterable_nolen', max_duration='5ba', max_steps=5, oom=oom([0], [1])
+    ),
     'fsdp2_agreed_loss': dict(BASE, wrapper='fsdp2', oom=oom([0], [2], 'loss')),
     # every rank OOMs in evaluation: under FSDP, Composer's eval retry has no in-forward check
     'fsdp1_eval': dict(BASE, wrapper='fsdp1', eval_shards=[20, 7], eval_microbatch=4, oom=oom([0, 1], ['eval'])),
@@ -76,7 +77,9 @@ def test_oom_on_some_ranks_is_retried_on_all_and_trains_like_the_halved_size(run
     cfg = SCENARIOS[name]
     per_rank = ok(runs, name)
     size, raisers = expected_sizes(cfg)
-    raised = {(rank, 'eval' if step < 0 else step) for rank, res in enumerate(per_rank) for step, _, _ in res['ooms_raised']}
+    raised = {
+        (rank, 'eval' if step < 0 else step) for rank, res in enumerate(per_rank) for step, _, _ in res['ooms_raised']
+    }
     assert raised == raisers, f'{name}: OOMs raised at {raised}, expected at {raisers}'
     ref = reference.train(cfg, divide=cfg['join']['divide_by_initial_world_size'])
     steps = cfg.get('max_steps', ref['steps_per_epoch'])

@@ -22,8 +22,11 @@ CALLS = [
     ('differs_without_shadow', 'scenarios_badinput:train_on', dict(formats=[['tuple'] * 2, ['dict'] * 2])),
     # len() says 5 batches, the dataloader yields 1 (a shorter rank) or 2 (the longest rank)
     ('len_overstates', 'scenarios_badinput:train_on', dict(formats=[['tuple'] * 3, ['tuple']], claimed=[None, 5])),
-    ('len_overstates_longest', 'scenarios_badinput:train_on',
-     dict(formats=[['tuple'] * 2, ['tuple'] * 2], claimed=[5, None])),
+    (
+        'len_overstates_longest',
+        'scenarios_badinput:train_on',
+        dict(formats=[['tuple'] * 2, ['tuple'] * 2], claimed=[5, None]),
+    ),
     ('wrong_type', 'scenarios_badinput:wrong_argument', dict(kwargs={'divide_by_initial_world_size': 'yes'})),
     ('wrong_type_int', 'scenarios_badinput:wrong_argument', dict(kwargs={'enable': 1})),
 ]
@@ -45,15 +48,17 @@ def test_batch_structure_that_differs_between_ranks_where_a_rank_shadows(runs):
     for message in errors(runs, 'differs_between_ranks'):
         assert 'at step 1 of epoch 0 rank(s) [1] shadow' in message
         assert 'rank 0: tuple(float32[2d], int64[1d]); rank 1: dict{x: float32[2d], y: int64[1d]}' in message
-        assert 'make every rank\'s dataloader yield one structure at every step' in message
+        assert "make every rank's dataloader yield one structure at every step" in message
     assert [r['batch'] for r in runs['differs_between_ranks']] == [1, 1]  # stopped before training step 1
 
 
 def test_batch_structure_that_changes_between_steps(runs):
     for message in errors(runs, 'changes_between_steps'):
         assert 'at step 2 of epoch 0 rank(s) [1] shadow' in message
-        assert 'rank 0: dict{mask: float32[1d], x: float32[2d], y: int64[1d]}; rank 1: dict{x: float32[2d], y: ' \
-               'int64[1d]}' in message
+        assert (
+            'rank 0: dict{mask: float32[1d], x: float32[2d], y: int64[1d]}; rank 1: dict{x: float32[2d], y: '
+            'int64[1d]}' in message
+        )
     for message in errors(runs, 'dtype_changes'):
         assert 'at step 1 of epoch 0 rank(s) [1] shadow' in message
         assert 'rank 0: tuple(float32[2d], int32[1d]); rank 1: tuple(float32[2d], int64[1d])' in message
@@ -66,18 +71,26 @@ def test_structures_may_differ_where_no_rank_shadows(runs):
 
 def test_a_len_that_overstates_is_an_error_on_every_rank(runs):
     for message in errors(runs, 'len_overstates'):
-        assert 'the dataloader of rank(s) [1] ran out after 1 batches in epoch 0, fewer than its len() promised' in message
+        assert (
+            'the dataloader of rank(s) [1] ran out after 1 batches in epoch 0, fewer than its len() promised' in message
+        )
     for message in errors(runs, 'len_overstates_longest'):
         assert 'rank(s) [0] ran out after 2 batches' in message
     assert [r['batch'] for r in runs['len_overstates']] == [1, 1]
 
 
 def test_arguments_of_the_wrong_type_are_refused_on_every_rank(runs):
-    assert runs['wrong_type'] == ["TypeError: UnevenJoin(divide_by_initial_world_size=...) must be True or False, "
-                                  "got 'yes'"] * 2
-    assert all(r.startswith('TypeError: UnevenJoin(enable=...) must be True or False, got 1') for r in runs['wrong_type_int'])
+    assert (
+        runs['wrong_type']
+        == ["TypeError: UnevenJoin(divide_by_initial_world_size=...) must be True or False, got 'yes'"] * 2
+    )
+    assert all(
+        r.startswith('TypeError: UnevenJoin(enable=...) must be True or False, got 1') for r in runs['wrong_type_int']
+    )
 
 
 def test_is_shadow_step_wants_the_trainer_state():
-    with pytest.raises(TypeError, match=r'is_shadow_step\(state\) takes the trainer\'s State \(trainer.state\), got int'):
+    with pytest.raises(
+        TypeError, match=r'is_shadow_step\(state\) takes the trainer\'s State \(trainer.state\), got int'
+    ):
         is_shadow_step(3)

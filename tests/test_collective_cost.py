@@ -32,10 +32,26 @@ for sync in SYNCS:
 PLAN = [[8, 5, 8, 3, 7, 8, 2], [4, 8, 6, 8, 2, 8, 3, 8, 1]]
 PLAN_SAME_COUNT = [PLAN[0], PLAN[1][:7]]
 VARIED = {
-    'varied_multi': dict(batch_plan=PLAN, shards=[sum(p) for p in PLAN], batch_size=8, epochs=2, microbatch=3,
-                         sync='multi_auto_sync', join=DIVIDE),
-    'varied_unused': dict(batch_plan=PLAN_SAME_COUNT, shards=[sum(p) for p in PLAN_SAME_COUNT], batch_size=8,
-                          epochs=2, microbatch=3, model='branch', find_unused=True, optimizer='adam', join=NO_DIVIDE),
+    'varied_multi': dict(
+        batch_plan=PLAN,
+        shards=[sum(p) for p in PLAN],
+        batch_size=8,
+        epochs=2,
+        microbatch=3,
+        sync='multi_auto_sync',
+        join=DIVIDE,
+    ),
+    'varied_unused': dict(
+        batch_plan=PLAN_SAME_COUNT,
+        shards=[sum(p) for p in PLAN_SAME_COUNT],
+        batch_size=8,
+        epochs=2,
+        microbatch=3,
+        model='branch',
+        find_unused=True,
+        optimizer='adam',
+        join=NO_DIVIDE,
+    ),
 }
 # A dataloader that fails on a step planned from the lengths (5 batches each: steps 0 to 3 are planned):
 # at the first step, in the middle, at the last planned step, and a len() that promises more than it yields.
@@ -46,8 +62,9 @@ FAILING = {
     'len_overstates': dict(shards=[40, 24], batch_size=8, epochs=1, join=DIVIDE, claimed_len={1: 40}),
 }
 FAILING_EVAL = {  # 5 eval batches per rank: batches 0 to 3 planned; rank 1 fails at batch 1 of the evaluation
-    'eval_fails_at_step_1': dict(shards=[16, 16], batch_size=8, epochs=1, join=DIVIDE, eval_shards=[20, 20],
-                                 eval_fails_on=1, eval_fail_at=6),
+    'eval_fails_at_step_1': dict(
+        shards=[16, 16], batch_size=8, epochs=1, join=DIVIDE, eval_shards=[20, 20], eval_fails_on=1, eval_fail_at=6
+    ),
 }
 AFTER = {'after_failure': dict(shards=[16, 16], batch_size=8, epochs=1, join=DIVIDE)}  # the process group still works
 
@@ -63,8 +80,9 @@ def runs() -> dict:
 
 def per_step(runs, name: str) -> list[dict[str, int]]:
     per_rank = ok(runs, name)
-    assert all(res['collectives'] == per_rank[0]['collectives'] for res in per_rank), \
+    assert all(res['collectives'] == per_rank[0]['collectives'] for res in per_rank), (
         f'{name}: ranks issued different collectives'
+    )
     return per_rank[0]['collectives']
 
 
@@ -120,7 +138,7 @@ def steps_using_the_branch_only_where_no_sync_happens(plan: list[list[int]], mic
     labels = [shard(rank, sum(sizes))[1] for rank, sizes in enumerate(plan)]
     steps = []
     for t in range(min(len(sizes) for sizes in plan)):
-        chunks = [labels[r][sum(sizes[:t]):sum(sizes[:t + 1])].split(microbatch) for r, sizes in enumerate(plan)]
+        chunks = [labels[r][sum(sizes[:t]) : sum(sizes[: t + 1])].split(microbatch) for r, sizes in enumerate(plan)]
         early = any(bool((c == 0).any()) for ch in chunks for c in ch[:-1])
         if early and not any(bool((ch[-1] == 0).any()) for ch in chunks):
             steps.append(t)
@@ -142,24 +160,38 @@ def test_microbatch_counts_that_differ_on_every_step(runs, name):
             assert report['real_samples'] == cfg['shards']
             assert report['real_batches'] == [len(p) for p in plan]
             shortest = len(plan[0])  # stock Composer would drop the batches past it: their sizes are agreed
-            assert [sizes[shortest - 1:] for sizes in report['batch_sizes']] == [p[shortest - 1:] for p in plan]
+            assert [sizes[shortest - 1 :] for sizes in report['batch_sizes']] == [p[shortest - 1 :] for p in plan]
 
 
-@pytest.mark.parametrize('name, rank, step, cause', [
-    ('fails_at_step_0', 1, 0, ('RuntimeError', 'disk read error at sample 3')),
-    ('fails_at_step_1', 1, 1, ('RuntimeError', 'disk read error at sample 12')),
-    ('fails_at_step_3', 0, 3, ('RuntimeError', 'disk read error at sample 26')),
-    ('len_overstates', 1, 3, ('UnevenInputsError', 'the dataloader of rank(s) [1] ran out after 3 batches in epoch 0, '
-                                                   'fewer than its len() promised (this rank: len() 5)')),
-    ('eval_fails_at_step_1', 1, 1, ('RuntimeError', 'disk read error at sample 6')),
-])
+@pytest.mark.parametrize(
+    'name, rank, step, cause',
+    [
+        ('fails_at_step_0', 1, 0, ('RuntimeError', 'disk read error at sample 3')),
+        ('fails_at_step_1', 1, 1, ('RuntimeError', 'disk read error at sample 12')),
+        ('fails_at_step_3', 0, 3, ('RuntimeError', 'disk read error at sample 26')),
+        (
+            'len_overstates',
+            1,
+            3,
+            (
+                'UnevenInputsError',
+                'the dataloader of rank(s) [1] ran out after 3 batches in epoch 0, '
+                'fewer than its len() promised (this rank: len() 5)',
+            ),
+        ),
+        ('eval_fails_at_step_1', 1, 1, ('RuntimeError', 'disk read error at sample 6')),
+    ],
+)
 def test_a_rank_that_cannot_form_a_planned_batch_stops_every_rank(runs, name, rank, step, cause):
     per_rank = runs[name]
     assert all(isinstance(res, RankError) for res in per_rank), f'{name}: some rank did not stop: {per_rank}'
     assert (per_rank[rank].type, cause[1] in per_rank[rank].message) == (cause[0], True), per_rank[rank]
     other = per_rank[1 - rank]
-    says = f'rank(s) [{rank}] ran out after {step} batches' if name == 'len_overstates' else \
-        f'rank(s) [{rank}] could not form batch {step} of epoch '
+    says = (
+        f'rank(s) [{rank}] ran out after {step} batches'
+        if name == 'len_overstates'
+        else f'rank(s) [{rank}] could not form batch {step} of epoch '
+    )
     assert other.type == 'UnevenInputsError' and says in other.message, other
     for res in ok(runs, 'after_failure'):
         assert res['timestamp']['sample'] == 32

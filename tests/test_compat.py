@@ -27,8 +27,16 @@ REFUSED = ['GhostBatchNorm_4']  # stop every rank at FIT_START (composer_join.re
 ALGORITHMS = [n for n in [*VISION, *NLP] if n not in REFUSED]
 # where UnevenJoin's place among the algorithms or its weighting could change the numbers (the
 # others only operate on the model once, at INIT, or on whole epochs: suite time)
-AGAINST_STOCK = ['MixUp_interpolate_loss', 'CutMix', 'SelectiveBackprop', 'SAM', 'LabelSmoothing',
-                 'ProgressiveResizing', 'Alibi', 'SeqLengthWarmup']
+AGAINST_STOCK = [
+    'MixUp_interpolate_loss',
+    'CutMix',
+    'SelectiveBackprop',
+    'SAM',
+    'LabelSmoothing',
+    'ProgressiveResizing',
+    'Alibi',
+    'SeqLengthWarmup',
+]
 REPLICA_TOL = 1e-6  # SAM: each rank adds and subtracts its own perturbation, so rounding differs (stock too)
 STOCK_TOL = 1e-6
 TRAIN = 'scenarios_compat:algorithm_train'
@@ -38,8 +46,9 @@ TRAIN = 'scenarios_compat:algorithm_train'
 # (SelectiveBackprop's extra forward all-gathers: the shadow rank must run it too)
 MORE = {
     'Alibi/microbatch_multi_auto_sync': dict(algorithm='Alibi', microbatch=3, sync='multi_auto_sync'),
-    'SelectiveBackprop/microbatch_multi_auto_sync': dict(algorithm='SelectiveBackprop', microbatch=1,
-                                                         sync='multi_auto_sync'),
+    'SelectiveBackprop/microbatch_multi_auto_sync': dict(
+        algorithm='SelectiveBackprop', microbatch=1, sync='multi_auto_sync'
+    ),
     'SelectiveBackprop/fsdp2': dict(algorithm='SelectiveBackprop', wrapper='fsdp2'),
     'MixUp_interpolate_loss/fsdp2': dict(algorithm='MixUp_interpolate_loss', wrapper='fsdp2'),
 }

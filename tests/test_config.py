@@ -40,20 +40,30 @@ def problems(cfg, **kwargs) -> list[str]:
 # -- registry ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(('name', 'snake'), [
-    ('GradientClipping', 'gradient_clipping'), ('EMA', 'ema'), ('LRMonitor', 'lr_monitor'),
-    ('DecoupledAdamW', 'decoupled_adamw'), ('NaNMonitor', 'nan_monitor'), ('WandBLogger', 'wandb_logger'),
-    ('CosineAnnealingWithWarmupScheduler', 'cosine_annealing_with_warmup_scheduler'), ('uneven_join', 'uneven_join'),
-])
+@pytest.mark.parametrize(
+    ('name', 'snake'),
+    [
+        ('GradientClipping', 'gradient_clipping'),
+        ('EMA', 'ema'),
+        ('LRMonitor', 'lr_monitor'),
+        ('DecoupledAdamW', 'decoupled_adamw'),
+        ('NaNMonitor', 'nan_monitor'),
+        ('WandBLogger', 'wandb_logger'),
+        ('CosineAnnealingWithWarmupScheduler', 'cosine_annealing_with_warmup_scheduler'),
+        ('uneven_join', 'uneven_join'),
+    ],
+)
 def test_snake_case(name, snake):
     assert snake_case(name) == snake
 
 
 def test_algorithm_registry_holds_uneven_join_and_every_composer_algorithm():
     assert ALGORITHMS['uneven_join'] is UnevenJoin
-    expected = {snake_case(n) for n in composer.algorithms.__all__
-                if isinstance(getattr(composer.algorithms, n), type)
-                and issubclass(getattr(composer.algorithms, n), Algorithm)}
+    expected = {
+        snake_case(n)
+        for n in composer.algorithms.__all__
+        if isinstance(getattr(composer.algorithms, n), type) and issubclass(getattr(composer.algorithms, n), Algorithm)
+    }
     assert expected <= set(ALGORITHMS.names)
     assert ALGORITHMS['gradient_clipping'] is GradientClipping and ALGORITHMS['ema'] is EMA
 
@@ -82,7 +92,7 @@ def test_entry_point_loads_and_builds_the_algorithm():
     (entry,) = [e for e in importlib.metadata.entry_points(group='llmfoundry_algorithms') if e.name == 'uneven_join']
     cls = entry.load()
     assert cls is UnevenJoin is ALGORITHMS['uneven_join']
-    algo = cls(**{'throw_on_early_termination': True})
+    algo = cls(throw_on_early_termination=True)
     assert isinstance(algo, UnevenJoin) and algo.throw_on_early_termination
 
 
@@ -102,12 +112,19 @@ def test_load_config_overrides_and_interpolation(tmp_path):
     assert list(cfg.algorithms) == ['uneven_join']
 
 
-@pytest.mark.parametrize(('text', 'overrides', 'expected'), [
-    ('trainer:\n  run_name: ${variables.nope}\n', [], "trainer.run_name: Interpolation key 'variables.nope' not found"),
-    ('trainer: {}\n', ['trainer.seed'], "'trainer.seed': an override is key.path=value"),
-    ('- a\n- b\n', [], 'the top level must be a mapping of sections'),
-    ('trainer: [\n', [], 'cfg.yaml'),
-])
+@pytest.mark.parametrize(
+    ('text', 'overrides', 'expected'),
+    [
+        (
+            'trainer:\n  run_name: ${variables.nope}\n',
+            [],
+            "trainer.run_name: Interpolation key 'variables.nope' not found",
+        ),
+        ('trainer: {}\n', ['trainer.seed'], "'trainer.seed': an override is key.path=value"),
+        ('- a\n- b\n', [], 'the top level must be a mapping of sections'),
+        ('trainer: [\n', [], 'cfg.yaml'),
+    ],
+)
 def test_load_config_errors_name_the_key(tmp_path, text, overrides, expected):
     with pytest.raises(ConfigError, match='invalid config') as info:
         load_config(write(tmp_path, text), overrides)
@@ -122,11 +139,14 @@ def test_load_config_missing_file(tmp_path):
 # -- checking and building -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('algorithms', [
-    ['uneven_join', {'gradient_clipping': {'clipping_type': 'norm', 'clipping_threshold': 1.0}}],
-    {'uneven_join': None, 'gradient_clipping': {'clipping_type': 'norm', 'clipping_threshold': 1.0}},
-    [{'uneven_join': {}}, {'name': 'gradient_clipping', 'clipping_type': 'norm', 'clipping_threshold': 1.0}],
-])
+@pytest.mark.parametrize(
+    'algorithms',
+    [
+        ['uneven_join', {'gradient_clipping': {'clipping_type': 'norm', 'clipping_threshold': 1.0}}],
+        {'uneven_join': None, 'gradient_clipping': {'clipping_type': 'norm', 'clipping_threshold': 1.0}},
+        [{'uneven_join': {}}, {'name': 'gradient_clipping', 'clipping_type': 'norm', 'clipping_threshold': 1.0}],
+    ],
+)
 def test_component_section_forms_build_the_same(algorithms):
     kwargs = trainer_kwargs({'algorithms': algorithms})
     assert [type(a) for a in kwargs['algorithms']] == [UnevenJoin, GradientClipping]
@@ -136,8 +156,15 @@ def test_component_section_forms_build_the_same(algorithms):
 def test_trainer_kwargs_builds_every_section():
     cfg = {
         'variables': {'anything': [1, 2]},
-        'trainer': {'max_duration': '2ep', 'device_train_microbatch_size': 4, 'ddp_sync_strategy': 'multi_auto_sync',
-                    'precision': 'fp32', 'eval_interval': 1, 'progress_bar': False, 'scale_schedule_ratio': 1},
+        'trainer': {
+            'max_duration': '2ep',
+            'device_train_microbatch_size': 4,
+            'ddp_sync_strategy': 'multi_auto_sync',
+            'precision': 'fp32',
+            'eval_interval': 1,
+            'progress_bar': False,
+            'scale_schedule_ratio': 1,
+        },
         'algorithms': {'uneven_join': {'divide_by_initial_world_size': False}},
         'callbacks': ['lr_monitor'],
         'loggers': {'in_memory_logger': {}},
@@ -159,41 +186,61 @@ def test_yaml_list_stands_for_a_tuple():
     assert kwargs['optimizers'].defaults['betas'] == (0.8, 0.9)
 
 
-@pytest.mark.parametrize(('cfg', 'expected'), [
-    ({'trainer': {'max_duraton': '1ep'}},
-     "trainer.max_duraton: unknown argument of Trainer; did you mean 'max_duration'?"),
-    ({'trainer': {'zzzz': 1}}, 'trainer.zzzz: unknown argument of Trainer; allowed: train_dataloader_label, '),
-    ({'trainer': {'progress_bar': 'maybe'}}, "trainer.progress_bar: expected bool, got 'maybe' (str)"),
-    ({'trainer': {'max_duration': 2.5}}, 'trainer.max_duration: expected int | str | Time | None, got 2.5 (float)'),
-    ({'trainer': {'max_duration': '3 epochs'}}, "trainer.max_duration: expected a time string such as '3ep'"),
-    ({'trainer': {'ddp_sync_strategy': 'sometimes'}},
-     "trainer.ddp_sync_strategy: expected one of single_auto_sync, multi_auto_sync, forced_sync, got 'sometimes'"),
-    ({'trainer': {'load_ignore_keys': ['a', 1]}},
-     "trainer.load_ignore_keys: expected list[str] | Callable[[dict], None] | None, got ['a', 1]"),
-    ({'trainer': {'algorithms': ['uneven_join']}}, 'trainer.algorithms: goes in the top-level algorithms: section'),
-    ({'trainer': {'model': 'x'}}, 'trainer.model: is built by the script'),
-    ({'trainer': ['max_duration']}, 'trainer: expected a mapping of Trainer arguments'),
-    ({'algorithm': ['uneven_join']}, "algorithm: unknown top-level section; did you mean 'algorithms'?"),
-    ({'algorithms': ['uneven_jion']}, "algorithms[0]: unknown algorithm 'uneven_jion'; did you mean 'uneven_join'?"),
-    ({'algorithms': {'uneven_join': {'throw_on_early_terminaton': True}}},
-     "algorithms.uneven_join.throw_on_early_terminaton: unknown argument of UnevenJoin; "
-     "did you mean 'throw_on_early_termination'?"),
-    ({'algorithms': {'uneven_join': {'enable': 'yes'}}}, "algorithms.uneven_join.enable: expected bool, got 'yes'"),
-    ({'algorithms': ['gradient_clipping']},
-     'algorithms[0]: missing required argument(s) of GradientClipping: clipping_type'),
-    ({'algorithms': {'ema': {'half_life': 'soon'}}},
-     'algorithms.ema: ema refused its arguments: ValueError: Invalid time string: soon'),
-    ({'algorithms': [['uneven_join']]}, 'algorithms[0]: expected a name or {name: {kwargs}}'),
-    ({'algorithms': {'uneven_join': 3}}, 'algorithms.uneven_join: expected a mapping of keyword arguments'),
-    ({'callbacks': ['lr_monitr']}, "callbacks[0]: unknown callback 'lr_monitr'; did you mean 'lr_monitor', "),
-    ({'loggers': ['file_loger']}, "loggers[0]: unknown logger 'file_loger'; did you mean 'file_logger'"),
-    ({'schedulers': ['cosine_annealing_with_warmup_scheduler']},
-     'schedulers[0]: missing required argument(s) of CosineAnnealingWithWarmupScheduler: t_warmup'),
-    ({'optimizer': ['sgd', 'adam']}, 'optimizer: expected exactly one optimizer, got 2'),
-    ({'optimizer': {'sgd': {'params': [], 'lr': 0.1}}}, 'optimizer.sgd.params: is supplied by the script'),
-    ({'optimizer': {'sgd': {'lr': 'fast'}}}, "optimizer.sgd.lr: expected float | Tensor, got 'fast' (str)"),
-    ({'optimizer': 'sgd', 'optimizers': 'adam'}, 'give one optimizer, under optimizer: or optimizers:'),
-])
+@pytest.mark.parametrize(
+    ('cfg', 'expected'),
+    [
+        (
+            {'trainer': {'max_duraton': '1ep'}},
+            "trainer.max_duraton: unknown argument of Trainer; did you mean 'max_duration'?",
+        ),
+        ({'trainer': {'zzzz': 1}}, 'trainer.zzzz: unknown argument of Trainer; allowed: train_dataloader_label, '),
+        ({'trainer': {'progress_bar': 'maybe'}}, "trainer.progress_bar: expected bool, got 'maybe' (str)"),
+        ({'trainer': {'max_duration': 2.5}}, 'trainer.max_duration: expected int | str | Time | None, got 2.5 (float)'),
+        ({'trainer': {'max_duration': '3 epochs'}}, "trainer.max_duration: expected a time string such as '3ep'"),
+        (
+            {'trainer': {'ddp_sync_strategy': 'sometimes'}},
+            "trainer.ddp_sync_strategy: expected one of single_auto_sync, multi_auto_sync, forced_sync, got 'sometimes'",
+        ),
+        (
+            {'trainer': {'load_ignore_keys': ['a', 1]}},
+            "trainer.load_ignore_keys: expected list[str] | Callable[[dict], None] | None, got ['a', 1]",
+        ),
+        ({'trainer': {'algorithms': ['uneven_join']}}, 'trainer.algorithms: goes in the top-level algorithms: section'),
+        ({'trainer': {'model': 'x'}}, 'trainer.model: is built by the script'),
+        ({'trainer': ['max_duration']}, 'trainer: expected a mapping of Trainer arguments'),
+        ({'algorithm': ['uneven_join']}, "algorithm: unknown top-level section; did you mean 'algorithms'?"),
+        (
+            {'algorithms': ['uneven_jion']},
+            "algorithms[0]: unknown algorithm 'uneven_jion'; did you mean 'uneven_join'?",
+        ),
+        (
+            {'algorithms': {'uneven_join': {'throw_on_early_terminaton': True}}},
+            'algorithms.uneven_join.throw_on_early_terminaton: unknown argument of UnevenJoin; '
+            "did you mean 'throw_on_early_termination'?",
+        ),
+        ({'algorithms': {'uneven_join': {'enable': 'yes'}}}, "algorithms.uneven_join.enable: expected bool, got 'yes'"),
+        (
+            {'algorithms': ['gradient_clipping']},
+            'algorithms[0]: missing required argument(s) of GradientClipping: clipping_type',
+        ),
+        (
+            {'algorithms': {'ema': {'half_life': 'soon'}}},
+            'algorithms.ema: ema refused its arguments: ValueError: Invalid time string: soon',
+        ),
+        ({'algorithms': [['uneven_join']]}, 'algorithms[0]: expected a name or {name: {kwargs}}'),
+        ({'algorithms': {'uneven_join': 3}}, 'algorithms.uneven_join: expected a mapping of keyword arguments'),
+        ({'callbacks': ['lr_monitr']}, "callbacks[0]: unknown callback 'lr_monitr'; did you mean 'lr_monitor', "),
+        ({'loggers': ['file_loger']}, "loggers[0]: unknown logger 'file_loger'; did you mean 'file_logger'"),
+        (
+            {'schedulers': ['cosine_annealing_with_warmup_scheduler']},
+            'schedulers[0]: missing required argument(s) of CosineAnnealingWithWarmupScheduler: t_warmup',
+        ),
+        ({'optimizer': ['sgd', 'adam']}, 'optimizer: expected exactly one optimizer, got 2'),
+        ({'optimizer': {'sgd': {'params': [], 'lr': 0.1}}}, 'optimizer.sgd.params: is supplied by the script'),
+        ({'optimizer': {'sgd': {'lr': 'fast'}}}, "optimizer.sgd.lr: expected float | Tensor, got 'fast' (str)"),
+        ({'optimizer': 'sgd', 'optimizers': 'adam'}, 'give one optimizer, under optimizer: or optimizers:'),
+    ],
+)
 def test_problems_name_the_key_and_what_is_allowed(cfg, expected):
     found = problems(cfg)
     assert any(expected in p for p in found), found
@@ -209,7 +256,7 @@ def test_every_problem_is_reported_at_once():
 def test_check_kwargs_and_build_helpers():
     assert check_kwargs(torch.optim.Adam, {'betas': [0.5, 0.6]}, 'opt', n_args=1) == {'betas': (0.5, 0.6)}
     assert [type(a) for a in build(ALGORITHMS, ['uneven_join', 'ema'], 'algorithms')] == [UnevenJoin, EMA]
-    with pytest.raises(ConfigError, match="model: expected exactly one model, got 0"):
+    with pytest.raises(ConfigError, match='model: expected exactly one model, got 0'):
         build_one(MODELS, None, 'model')
 
 

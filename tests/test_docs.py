@@ -17,8 +17,20 @@ DOCS = ROOT / 'docs'
 
 
 def test_docs_build_without_warnings(tmp_path):
-    cmd = [sys.executable, '-m', 'sphinx', '-W', '--keep-going', '-q', '-b', 'html', '-d', str(tmp_path / 'doctrees'),
-           str(DOCS), str(tmp_path / 'html')]
+    cmd = [
+        sys.executable,
+        '-m',
+        'sphinx',
+        '-W',
+        '--keep-going',
+        '-q',
+        '-b',
+        'html',
+        '-d',
+        str(tmp_path / 'doctrees'),
+        str(DOCS),
+        str(tmp_path / 'html'),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, f'sphinx-build failed:\n{done.stdout}\n{done.stderr}'
     assert (tmp_path / 'html' / 'api.html').read_text().count('UnevenJoin') > 5  # autodoc found the docstrings

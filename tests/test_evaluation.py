@@ -17,8 +17,9 @@ SCENARIOS = {
     # the measured stock failure: 37 eval samples in shards of 20, 11 and 6
     'iterable_3': dict(TRAIN, shards=[40, 21, 13], eval_shards=[20, 11, 6], eval_after=True),
     'stock_iterable_3': dict(TRAIN, shards=[40, 21, 13], eval_shards=[20, 11, 6], join=None),
-    'empty_and_microbatched_3': dict(TRAIN, shards=[16, 8, 8], eval_shards=[0, 9, 2], eval_microbatch=3,
-                                     eval_after=True),
+    'empty_and_microbatched_3': dict(
+        TRAIN, shards=[16, 8, 8], eval_shards=[0, 9, 2], eval_microbatch=3, eval_after=True
+    ),
     'exact_sampler_3': dict(TRAIN, shards=[24, 16, 9], eval_map=37, eval_after=True),
     'fewer_samples_than_ranks_3': dict(TRAIN, shards=[8, 8, 8], eval_map=2, eval_after=True),
     'torch_sampler_3': dict(TRAIN, shards=[16, 9, 8], eval_map=37, eval_sampler='torch', eval_after=True),
@@ -48,8 +49,9 @@ def test_every_evaluation_equals_one_process_evaluating_all_data(runs, name):
         for i, params in enumerate(res['eval_params']):
             ref = reference.evaluate(params, cfg)
             accuracy = res['eval']['MulticlassAccuracy'][i]
-            assert accuracy == pytest.approx(ref['correct'] / ref['total'], abs=1e-7), \
+            assert accuracy == pytest.approx(ref['correct'] / ref['total'], abs=1e-7), (
                 f'{name}: rank {rank}, evaluation {i}: accuracy {accuracy} but {ref["correct"]}/{ref["total"]}'
+            )
             assert res['eval']['MeanLoss'][i] == pytest.approx(ref['MeanLoss'], abs=1e-6)
 
 

@@ -42,12 +42,15 @@ def launch(launcher: str, where: str, when: str, out: Path) -> tuple[int, float,
     return result.returncode, time.time(), result.ranks[0]
 
 
-@pytest.mark.parametrize(('launcher', 'where', 'when'), [
-    ('composer', 'dataloader', 'step'),  # a step planned from the lengths: Composer's exhausted flag stops both
-    ('composer', 'sigkill', 'tail'),
-    ('torchrun', 'callback', 'tail'),
-    ('torchrun', 'dataloader', 'tail'),
-])
+@pytest.mark.parametrize(
+    ('launcher', 'where', 'when'),
+    [
+        ('composer', 'dataloader', 'step'),  # a step planned from the lengths: Composer's exhausted flag stops both
+        ('composer', 'sigkill', 'tail'),
+        ('torchrun', 'callback', 'tail'),
+        ('torchrun', 'dataloader', 'tail'),
+    ],
+)
 def test_a_failing_rank_stops_every_rank(launcher, where, when, tmp_path):
     returncode, ended, output = launch(launcher, where, when, tmp_path)
     assert (tmp_path / 'failed.txt').exists(), f'the failure was not injected; output:\n{output[-4000:]}'
@@ -58,7 +61,9 @@ def test_a_failing_rank_stops_every_rank(launcher, where, when, tmp_path):
     for rank, text in reports.items():  # a rank that was not killed by the launcher first stopped with an error
         at, message = text.split(' ', 1)
         assert float(at) - failed_at < DIST_TIMEOUT + RAISE_MARGIN, (rank, float(at) - failed_at, message)
-    assert ended - failed_at < DIST_TIMEOUT + EXIT_MARGIN, f'{launcher} exited {ended - failed_at:.1f} s after the failure'
+    assert ended - failed_at < DIST_TIMEOUT + EXIT_MARGIN, (
+        f'{launcher} exited {ended - failed_at:.1f} s after the failure'
+    )
     if where == 'dataloader':  # every rank raises at the same step, with a reason
         batch = 2 if when == 'step' else 4  # the loader fetches a step ahead
         assert 'UnevenInputsError' in reports[0] and f'rank(s) [1] could not form batch {batch}' in reports[0], reports

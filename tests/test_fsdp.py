@@ -11,7 +11,6 @@ breaks the process group it happens in.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch
 import devices
 import reference
 import reference_fsdp
-from harness import RankError, launch
+from harness import launch
 from test_join_core import DIVIDE, NO_DIVIDE, ok
 
 TOL = 1e-6  # against the reference and against DDP, for models without BatchNorm
@@ -32,29 +31,56 @@ SCENARIOS: dict[str, dict] = {
     'ddp_microbatch': dict(BASE, wrapper='ddp', microbatch=3, optimizer='adam', join=NO_DIVIDE),
 }
 for w in WRAPPERS:
-    SCENARIOS.update({
-        f'{w}_sgd': dict(BASE, wrapper=w, join=DIVIDE),
-        # 40 = 5 x 8 and 21 = 8 + 8 + 5: with microbatches of 3, steps split 3/3, 3/2 and 3/1 (shadow)
-        f'{w}_microbatch': dict(BASE, wrapper=w, microbatch=3, optimizer='adam', join=NO_DIVIDE),
-        # the configuration on which stock Composer hangs (test_stock_composer_fsdp_hangs_on_uneven_microbatch_counts)
-        f'{w}_fixes_stock_hang': dict(shards=[24, 21], batch_size=8, epochs=1, microbatch=3, wrapper=w, join=DIVIDE),
-        f'{w}_batchnorm': dict(BASE, wrapper=w, model='bn', microbatch=3, join=DIVIDE),
-        f'{w}_batchnorm_rank0_short': dict(shards=[13, 40], batch_size=8, epochs=1, wrapper=w, model='bn', join=DIVIDE),
-        f'{w}_throw': dict(BASE, wrapper=w, microbatch=3, join={'throw_on_early_termination': True},
-                           expect_error=True),
-        f'{w}_eval': dict(shards=[24, 13], batch_size=8, epochs=1, microbatch=3, wrapper=w, join=DIVIDE,
-                          eval_shards=[20, 7], eval_batch_size=4, eval_microbatch=3),
-        f'{w}_eval_only': dict(shards=[8, 8], batch_size=8, wrapper=w, join=DIVIDE, eval_only=True,
-                               eval_shards=[20, 7], eval_batch_size=4, eval_microbatch=3),
-        f'{w}_branch': dict(BASE, wrapper=w, model='branch', microbatch=3, join=DIVIDE, expect_error=w == 'fsdp2'),
-    })
+    SCENARIOS.update(
+        {
+            f'{w}_sgd': dict(BASE, wrapper=w, join=DIVIDE),
+            # 40 = 5 x 8 and 21 = 8 + 8 + 5: with microbatches of 3, steps split 3/3, 3/2 and 3/1 (shadow)
+            f'{w}_microbatch': dict(BASE, wrapper=w, microbatch=3, optimizer='adam', join=NO_DIVIDE),
+            # the configuration on which stock Composer hangs (test_stock_composer_fsdp_hangs_on_uneven_microbatch_counts)
+            f'{w}_fixes_stock_hang': dict(
+                shards=[24, 21], batch_size=8, epochs=1, microbatch=3, wrapper=w, join=DIVIDE
+            ),
+            f'{w}_batchnorm': dict(BASE, wrapper=w, model='bn', microbatch=3, join=DIVIDE),
+            f'{w}_batchnorm_rank0_short': dict(
+                shards=[13, 40], batch_size=8, epochs=1, wrapper=w, model='bn', join=DIVIDE
+            ),
+            f'{w}_throw': dict(
+                BASE, wrapper=w, microbatch=3, join={'throw_on_early_termination': True}, expect_error=True
+            ),
+            f'{w}_eval': dict(
+                shards=[24, 13],
+                batch_size=8,
+                epochs=1,
+                microbatch=3,
+                wrapper=w,
+                join=DIVIDE,
+                eval_shards=[20, 7],
+                eval_batch_size=4,
+                eval_microbatch=3,
+            ),
+            f'{w}_eval_only': dict(
+                shards=[8, 8],
+                batch_size=8,
+                wrapper=w,
+                join=DIVIDE,
+                eval_only=True,
+                eval_shards=[20, 7],
+                eval_batch_size=4,
+                eval_microbatch=3,
+            ),
+            f'{w}_branch': dict(BASE, wrapper=w, model='branch', microbatch=3, join=DIVIDE, expect_error=w == 'fsdp2'),
+        }
+    )
 THREE: dict[str, dict] = {}
 for w in WRAPPERS:
-    THREE.update({
-        f'{w}_empty_shard': dict(shards=[20, 0, 13], batch_size=4, epochs=2, microbatch=3, wrapper=w, join=DIVIDE),
-        f'{w}_three_ranks': dict(shards=[40, 21, 13], batch_size=8, epochs=2, microbatch=3, wrapper=w,
-                                 optimizer='adam', join=NO_DIVIDE),
-    })
+    THREE.update(
+        {
+            f'{w}_empty_shard': dict(shards=[20, 0, 13], batch_size=4, epochs=2, microbatch=3, wrapper=w, join=DIVIDE),
+            f'{w}_three_ranks': dict(
+                shards=[40, 21, 13], batch_size=8, epochs=2, microbatch=3, wrapper=w, optimizer='adam', join=NO_DIVIDE
+            ),
+        }
+    )
 
 # Collectives per step, 2 ranks, batch 8, microbatch 3 (3 microbatches on a full batch). Step 2 of
 # 'uneven' has 8 and 4 samples (3 and 2 microbatches); step 2 of 'shadow' has a shadow rank.
@@ -76,11 +102,17 @@ def runs(tmp_path_factory) -> dict:
     for w in WRAPPERS:
         save = dict(CHECKPOINT, wrapper=w, save_folder=folders[w])
         two.append((f'{w}_ckpt_save', 'scenarios_fsdp:train', {'cfg': save}))
-        two.append((f'{w}_ckpt_resume', 'scenarios_fsdp:train_resumed',
-                    {'cfg': dict(CHECKPOINT, wrapper=w), 'folder': folders[w], 'batch': 4}))
+        two.append(
+            (
+                f'{w}_ckpt_resume',
+                'scenarios_fsdp:train_resumed',
+                {'cfg': dict(CHECKPOINT, wrapper=w), 'folder': folders[w], 'batch': 4},
+            )
+        )
     results = launch(2, two, timeout=480)
-    results.update(launch(3, [(name, 'scenarios_fsdp:train', {'cfg': cfg}) for name, cfg in THREE.items()],
-                          timeout=300))
+    results.update(
+        launch(3, [(name, 'scenarios_fsdp:train', {'cfg': cfg}) for name, cfg in THREE.items()], timeout=300)
+    )
     return results
 
 
@@ -183,8 +215,9 @@ def test_sharded_checkpoint_taken_mid_join_resumes_to_the_same_weights(runs, w):
 
 def counts(runs, name: str, step: int) -> dict[str, int]:
     per_rank = ok(runs, name)
-    assert all(res['collectives'][step] == per_rank[0]['collectives'][step] for res in per_rank), \
+    assert all(res['collectives'][step] == per_rank[0]['collectives'][step] for res in per_rank), (
         f'{name}: ranks issued different collectives at step {step}: {[r["collectives"][step] for r in per_rank]}'
+    )
     return per_rank[0]['collectives'][step]
 
 
@@ -200,8 +233,9 @@ def test_collectives_per_step(runs, w):
     for name in (f'{w}_count_uneven', f'{w}_count_shadow'):
         steps = [counts(runs, name, t) for t in range(3)]  # step 2: microbatch counts 3 and 2, or 3 and 1 (shadow)
         for c in steps:  # padded to three microbatches: FSDP's collectives are those of an even step
-            assert {k: v for k, v in c.items() if k != 'all_reduce'} == \
-                {k: v for k, v in stock.items() if k != 'all_reduce'}, (name, steps)
+            assert {k: v for k, v in c.items() if k != 'all_reduce'} == {
+                k: v for k, v in stock.items() if k != 'all_reduce'
+            }, (name, steps)
         # UnevenJoin adds one small all-reduce per step (the agreement on who has data, started a step
         # ahead; or, on steps planned from the lengths alone, the agreement on microbatch counts) and
         # one per microbatch (the check that every rank's microbatch uses the same parameters)
@@ -222,16 +256,21 @@ def test_stock_composer_fsdp_hangs_on_uneven_microbatch_counts():
             pytest.skip(devices.too_few_gpus(2, 'this test'))
         for w, cfg in stock.items():
             try:
-                per_rank = launch(2, [(w, 'scenarios_fsdp:train_until_timeout', {'cfg': cfg})], timeout=180,
-                                  collective_timeout=10)[w]
+                per_rank = launch(
+                    2, [(w, 'scenarios_fsdp:train_until_timeout', {'cfg': cfg})], timeout=180, collective_timeout=10
+                )[w]
             except AssertionError as e:  # a rank killed by the watchdog (or still hanging, killed by the harness)
                 assert 'exited with' in str(e) or 'did not finish' in str(e), str(e)
                 continue
             assert all(isinstance(res, dict) and res['timed_out'] and res['steps_completed'] == 2 for res in per_rank)
         return
     with ThreadPoolExecutor(len(WRAPPERS)) as pool:
-        futures = {w: pool.submit(launch, 2, [(w, 'scenarios_fsdp:train_until_timeout', {'cfg': cfg})],
-                                  timeout=120, collective_timeout=10) for w, cfg in stock.items()}
+        futures = {
+            w: pool.submit(
+                launch, 2, [(w, 'scenarios_fsdp:train_until_timeout', {'cfg': cfg})], timeout=120, collective_timeout=10
+            )
+            for w, cfg in stock.items()
+        }
         results = {w: f.result()[w] for w, f in futures.items()}
     for w, per_rank in results.items():
         assert all(isinstance(res, dict) and res['timed_out'] for res in per_rank), f'{w}: {per_rank}'

@@ -29,12 +29,15 @@ SCENARIOS: dict[str, dict] = {
     'sgd_no_divide_3': dict(BASE3, join={'divide_by_initial_world_size': False}),
     'adam_3': dict(BASE3, optimizer='adam', lr=1e-3),
     **{f'microbatch_{sync}': dict(BASE3, microbatch=3, sync=sync, epochs=1, eval_interval='1ep') for sync in SYNCS},
-    **{f'tokens_{sync}': dict(BASE3, microbatch=3, sync=sync, epochs=1, eval_interval='1ep', tokens=True)
-       for sync in SYNCS},
+    **{
+        f'tokens_{sync}': dict(BASE3, microbatch=3, sync=sync, epochs=1, eval_interval='1ep', tokens=True)
+        for sync in SYNCS
+    },
 }
 MUTATING = {  # a toy model that pops keys from its batch and scales the rest in place
-    'mutating': dict(shards=[20, 9], eval_shards=[10, 3], batch_size=4, epochs=2, eval_interval='3ba',
-                     microbatch=2, join={}),
+    'mutating': dict(
+        shards=[20, 9], eval_shards=[10, 3], batch_size=4, epochs=2, eval_interval='3ba', microbatch=2, join={}
+    ),
 }
 
 
@@ -43,8 +46,9 @@ def runs() -> dict:
     results = {}
     for world in (2, 3):
         calls = [(n, 'scenarios_hf:hf_train', {'cfg': c}) for n, c in SCENARIOS.items() if len(c['shards']) == world]
-        calls += [(n, 'scenarios_hf:mutating_train', {'cfg': c}) for n, c in MUTATING.items()
-                  if len(c['shards']) == world]
+        calls += [
+            (n, 'scenarios_hf:mutating_train', {'cfg': c}) for n, c in MUTATING.items() if len(c['shards']) == world
+        ]
         results.update(launch(world, calls, timeout=360))
     return results
 
@@ -82,8 +86,9 @@ def test_every_evaluation_equals_one_process_evaluating_all_data(runs, name):
         for i, params in enumerate(res['eval_params']):
             ref = reference_hf.evaluate(params, cfg)
             assert res['eval']['TokensEvaluated'][i] == ref['tokens']
-            assert res['eval']['LanguageCrossEntropy'][i] == pytest.approx(ref['loss'], abs=1e-6), \
+            assert res['eval']['LanguageCrossEntropy'][i] == pytest.approx(ref['loss'], abs=1e-6), (
                 f'{name}: rank {rank}, evaluation {i}'
+            )
 
 
 def test_stock_composer_trains_and_evaluates_less(runs):

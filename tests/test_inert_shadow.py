@@ -65,8 +65,12 @@ def _cases() -> dict[str, dict]:
 CASES = _cases()
 # Under FSDP a shadow microbatch still runs the forward (FSDP all-gathers in it), on two template
 # samples; its loss is a zero-weighted sum of the outputs, never the model's (here: a top-4 loss).
-FSDP = {f'fsdp_topk_{w}_mb4': dict(model='mlp', loss='topk', shards=[32, 16], batch_size=8, microbatch=4,
-                                   wrapper=w, join={}) for w in ('fsdp1', 'fsdp2')}
+FSDP = {
+    f'fsdp_topk_{w}_mb4': dict(
+        model='mlp', loss='topk', shards=[32, 16], batch_size=8, microbatch=4, wrapper=w, join={}
+    )
+    for w in ('fsdp1', 'fsdp2')
+}
 
 
 # BatchNorm resumed after rank 0 (whose copy Composer checkpoints) ran out: at batch 2 rank 1 is the source
@@ -81,12 +85,21 @@ UNMARKED = dict(model='sumbn_unmarked', shards=[16, 8], batch_size=8, expect_err
 def runs(tmp_path_factory) -> dict:
     results = {}
     for world in (2, 3):
-        calls = [(name, 'scenarios_inert:train_inert', {'cfg': cfg}) for name, cfg in CASES.items()
-                 if len(cfg['shards']) == world]
-        calls += [(name, 'scenarios_inert:train_fsdp_topk', {'cfg': cfg}) for name, cfg in FSDP.items()
-                  if len(cfg['shards']) == world]
-        calls += [(name, 'scenarios_inert:resume', {'cfg': cfg, 'folder': str(tmp_path_factory.mktemp(name))})
-                  for name, cfg in RESUME.items() if len(cfg['shards']) == world]
+        calls = [
+            (name, 'scenarios_inert:train_inert', {'cfg': cfg})
+            for name, cfg in CASES.items()
+            if len(cfg['shards']) == world
+        ]
+        calls += [
+            (name, 'scenarios_inert:train_fsdp_topk', {'cfg': cfg})
+            for name, cfg in FSDP.items()
+            if len(cfg['shards']) == world
+        ]
+        calls += [
+            (name, 'scenarios_inert:resume', {'cfg': cfg, 'folder': str(tmp_path_factory.mktemp(name))})
+            for name, cfg in RESUME.items()
+            if len(cfg['shards']) == world
+        ]
         if world == 2:  # last: it stops training midway
             calls.append(('unmarked', 'scenarios_inert:train_inert', {'cfg': UNMARKED}))
         results.update(launch(world, calls, timeout=420))
@@ -132,7 +145,9 @@ def test_fsdp_shadow_microbatches_never_run_the_loss(runs, name):
             assert diff < TOL, f'{name}: rank {rank}: {key} is {diff:.2e} from the reference'
 
 
-@pytest.mark.parametrize('name', sorted(n for n, c in CASES.items() if c['model'] in ('heads', 'unused', 'mlp', 'count')))
+@pytest.mark.parametrize(
+    'name', sorted(n for n, c in CASES.items() if c['model'] in ('heads', 'unused', 'mlp', 'count'))
+)
 def test_the_model_never_runs_on_a_shadow_batch(runs, name):
     """Under DDP a shadow step runs no model code: every forward is one of this rank's real microbatches."""
     cfg = CASES[name]
@@ -148,7 +163,7 @@ def test_heads_scenarios_use_every_head_in_every_real_batch():
             for rank, n in enumerate(cfg['shards']):
                 y = shard(rank, n)[1]
                 for i in range(0, n, cfg['batch_size']):
-                    assert set(y[i:i + cfg['batch_size']].tolist()) == {0, 1, 2}, (name, rank, i)
+                    assert set(y[i : i + cfg['batch_size']].tolist()) == {0, 1, 2}, (name, rank, i)
 
 
 def test_unused_parameter_is_left_alone_once_no_real_sample_uses_it(runs):
@@ -215,6 +230,7 @@ def test_an_unmarked_communicating_forward_stops_every_rank_with_a_clear_error(r
     """Instead of a gloo abort (or an NCCL hang, or silently mixed-up sums) at the first shadow step."""
     for rank, res in enumerate(runs['unmarked']):
         assert isinstance(res, dict), f'rank {rank}: {res}'
-        assert res['error'] is not None and 'shadow_forward = True' in res['error'] and 'all_reduce' in res['error'], \
+        assert res['error'] is not None and 'shadow_forward = True' in res['error'] and 'all_reduce' in res['error'], (
             res['error']
+        )
         assert 'at step 1 ' in res['error'], res['error']

@@ -26,8 +26,9 @@ SCENARIOS: dict[str, dict] = {
     'cosine_adam_2ep': dict(shards=[40, 21], batch_size=8, epochs=2, optimizer='adam', schedule='cosine', join=DIVIDE),
     'stock': dict(shards=[40, 21], batch_size=8, epochs=2, join=None),
     'disabled': dict(shards=[40, 21], batch_size=8, epochs=2, join={'enable': False}),
-    'throw': dict(shards=[40, 21], batch_size=8, epochs=2, join={'throw_on_early_termination': True},
-                  expect_error=True),
+    'throw': dict(
+        shards=[40, 21], batch_size=8, epochs=2, join={'throw_on_early_termination': True}, expect_error=True
+    ),
     # a list of strings beside the tensors: rank 1 shadows with it (empty lists, one microbatch)
     'text_lists': dict(shards=[16, 8], batch_size=8, epochs=1, fmt='text', join=DIVIDE),
     'len_too_short': dict(shards=[24, 40], batch_size=8, epochs=1, join=DIVIDE, claimed_len={1: 16}),
@@ -38,10 +39,18 @@ SCENARIOS: dict[str, dict] = {
     'dict_batches_metrics': dict(shards=[40, 21], batch_size=8, epochs=2, fmt='dict', train_metrics=True, join=DIVIDE),
     'tensor_batches': dict(shards=[21, 40], batch_size=8, epochs=1, fmt='tensor', join=NO_DIVIDE),
     'one_batch_each': dict(shards=[8, 3], batch_size=8, epochs=2, join=DIVIDE),
-    'no_len_batches': dict(shards=[40, 21], batch_size=8, dataset='iterable_nolen', max_duration='9ba', join=DIVIDE,
-                           epochs=2, max_steps=9),
-    'no_len_samples': dict(shards=[40, 21], batch_size=8, dataset='iterable_nolen', max_duration='100sp',
-                           join=NO_DIVIDE, epochs=2, max_steps=8),
+    'no_len_batches': dict(
+        shards=[40, 21], batch_size=8, dataset='iterable_nolen', max_duration='9ba', join=DIVIDE, epochs=2, max_steps=9
+    ),
+    'no_len_samples': dict(
+        shards=[40, 21],
+        batch_size=8,
+        dataset='iterable_nolen',
+        max_duration='100sp',
+        join=NO_DIVIDE,
+        epochs=2,
+        max_steps=8,
+    ),
     # three ranks, one of them with no data at all
     'empty_shard': dict(shards=[20, 0, 13], batch_size=4, epochs=2, join=DIVIDE),
     'three_ranks_no_divide': dict(shards=[40, 21, 13], batch_size=8, epochs=2, join=NO_DIVIDE, optimizer='adam'),
@@ -59,8 +68,13 @@ def _calls(world: int) -> list:
     calls = [(name, 'train', {'cfg': cfg}) for name, cfg in SCENARIOS.items() if len(cfg['shards']) == world]
     for name, cfg in TORCH_JOIN.items():
         if len(cfg['shards']) == world:
-            calls.append((name, 'torch_join', dict(shards=cfg['shards'], batch_size=cfg['batch_size'],
-                                                   epochs=cfg['epochs'], lr=0.1, divide=True)))
+            calls.append(
+                (
+                    name,
+                    'torch_join',
+                    dict(shards=cfg['shards'], batch_size=cfg['batch_size'], epochs=cfg['epochs'], lr=0.1, divide=True),
+                )
+            )
     return calls
 
 
@@ -85,11 +99,25 @@ def total_samples(cfg: dict) -> int:
     return sum(cfg['shards']) * cfg['epochs']
 
 
-@pytest.mark.parametrize('name', [
-    'sgd_2ep_divide', 'sgd_2ep_no_divide', 'adam_1ep_divide', 'adam_2ep_no_divide', 'cosine_adam_2ep',
-    'dict_batches_metrics', 'tensor_batches', 'one_batch_each', 'no_len_batches', 'no_len_samples', 'empty_shard',
-    'three_ranks_no_divide', 'four_ranks_momentum', 'four_ranks_one_short',
-])
+@pytest.mark.parametrize(
+    'name',
+    [
+        'sgd_2ep_divide',
+        'sgd_2ep_no_divide',
+        'adam_1ep_divide',
+        'adam_2ep_no_divide',
+        'cosine_adam_2ep',
+        'dict_batches_metrics',
+        'tensor_batches',
+        'one_batch_each',
+        'no_len_batches',
+        'no_len_samples',
+        'empty_shard',
+        'three_ranks_no_divide',
+        'four_ranks_momentum',
+        'four_ranks_one_short',
+    ],
+)
 def test_matches_single_process_reference(runs, name):
     cfg = SCENARIOS[name]
     ref = reference.train(cfg, divide=cfg['join']['divide_by_initial_world_size'])
@@ -98,8 +126,17 @@ def test_matches_single_process_reference(runs, name):
         assert diff < TOL, f'{name}: rank {rank} is {diff:.2e} from the reference'
 
 
-@pytest.mark.parametrize('name', ['sgd_2ep_divide', 'empty_shard', 'four_ranks_momentum', 'dict_batches_metrics',
-                                  'one_batch_each', 'three_ranks_no_divide'])
+@pytest.mark.parametrize(
+    'name',
+    [
+        'sgd_2ep_divide',
+        'empty_shard',
+        'four_ranks_momentum',
+        'dict_batches_metrics',
+        'one_batch_each',
+        'three_ranks_no_divide',
+    ],
+)
 def test_every_batch_trained_once_and_epochs_end_together(runs, name):
     cfg = SCENARIOS[name]
     steps = max(-(-n // cfg['batch_size']) for n in cfg['shards'])
@@ -111,7 +148,9 @@ def test_every_batch_trained_once_and_epochs_end_together(runs, name):
         for report in res['reports']:
             assert report['real_samples'] == cfg['shards']
             assert report['real_batches'] == [-(-n // cfg['batch_size']) for n in cfg['shards']]
-            assert [b + s for b, s in zip(report['real_batches'], report['shadow_steps'])] == [steps] * len(cfg['shards'])
+            assert [b + s for b, s in zip(report['real_batches'], report['shadow_steps'])] == [steps] * len(
+                cfg['shards']
+            )
 
 
 def test_tokens_count_real_data_only(runs):
@@ -120,8 +159,9 @@ def test_tokens_count_real_data_only(runs):
         assert res['timestamp']['token'] == total_samples(cfg) * 4  # four input_ids per sample
 
 
-@pytest.mark.parametrize('name', ['sgd_2ep_divide', 'adam_2ep_no_divide', 'empty_shard', 'four_ranks_momentum',
-                                  'batchnorm'])
+@pytest.mark.parametrize(
+    'name', ['sgd_2ep_divide', 'adam_2ep_no_divide', 'empty_shard', 'four_ranks_momentum', 'batchnorm']
+)
 def test_replicas_identical_after_every_step(runs, name):
     per_rank = ok(runs, name)
     first = per_rank[0]
@@ -231,7 +271,7 @@ def test_iterable_without_len_and_duration_in_batches_or_samples(runs):
         assert [r['real_batches'] for r in res['reports']] == [[5, 3]]  # the second epoch did not end
     for res in ok(runs, 'no_len_samples'):
         assert res['timestamp']['batch'] == 8  # the first step at which 100 real samples were reached
-        assert res["timestamp"]["sample"] == 61 + 24 + 21
+        assert res['timestamp']['sample'] == 61 + 24 + 21
 
 
 def test_agrees_with_torch_join_where_torch_is_right(runs):

@@ -39,8 +39,10 @@ SHIPPED = {
     'digits_uneven.yaml': (['trainer.max_duration=1ep'], True),
     'digits_microbatch.yaml': (['trainer.max_duration=1ep'], True),
     'digits_throw.yaml': (['trainer.max_duration=1ep'], False),
-    'text_token_budget.yaml': (['trainer.max_duration=1ep', 'data.pydoc_text.fraction=0.1',
-                                'data.pydoc_text.eval_sequences=32'], True),
+    'text_token_budget.yaml': (
+        ['trainer.max_duration=1ep', 'data.pydoc_text.fraction=0.1', 'data.pydoc_text.eval_sequences=32'],
+        True,
+    ),
 }
 SUMMARY = re.compile(r'rank (\d+): (\d+) real batches, (\d+) shadow steps, (\d+) samples')
 
@@ -53,8 +55,15 @@ class Run:
 
 def run(cmd: list[str], logs: Path | None = None, timeout: float = TIMEOUT) -> Run:
     """Run ``cmd`` in its own process group with a hard timeout; collect rank 0's and the per-rank files' output."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -66,18 +75,33 @@ def run(cmd: list[str], logs: Path | None = None, timeout: float = TIMEOUT) -> R
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    others = [] if logs is None else [
-        ''.join(p.read_text() for p in (logs / f'rank{r}.stdout', logs / f'rank{r}.stderr') if p.exists())
-        for r in range(1, RANKS)
-    ]
+    others = (
+        []
+        if logs is None
+        else [
+            ''.join(p.read_text() for p in (logs / f'rank{r}.stdout', logs / f'rank{r}.stderr') if p.exists())
+            for r in range(1, RANKS)
+        ]
+    )
     return Run(proc.returncode, [out, *others])
 
 
 def launch(tmp_path: Path, config: str, *overrides: str) -> Run:
     """``composer -n 2 --master_port <free> examples/train.py configs/<config> <overrides>``."""
-    cmd = [BIN / 'composer', '-n', RANKS, '--master_port', free_port(),
-           '--stdout', tmp_path / 'rank{rank}.stdout', '--stderr', tmp_path / 'rank{rank}.stderr',
-           TRAIN, CONFIGS / config, *overrides]
+    cmd = [
+        BIN / 'composer',
+        '-n',
+        RANKS,
+        '--master_port',
+        free_port(),
+        '--stdout',
+        tmp_path / 'rank{rank}.stdout',
+        '--stderr',
+        tmp_path / 'rank{rank}.stderr',
+        TRAIN,
+        CONFIGS / config,
+        *overrides,
+    ]
     return run(cmd, tmp_path)
 
 
@@ -131,12 +155,18 @@ def test_throw_on_early_termination_stops_every_rank(tmp_path):
     assert not SUMMARY.search(result.ranks[0])
 
 
-@pytest.mark.parametrize(('overrides', 'message'), [
-    (['trainer.max_duraton=1ep'], "trainer.max_duraton: unknown argument of Trainer; did you mean 'max_duration'?"),
-    (['trainer.progress_bar=maybe'], "trainer.progress_bar: expected bool, got 'maybe' (str)"),
-    (['algorithms=[uneven_join,uneven_jion]'],
-     "algorithms[1]: unknown algorithm 'uneven_jion'; did you mean 'uneven_join'? allowed: alibi, "),
-], ids=['unknown-key', 'wrong-type', 'unknown-algorithm'])
+@pytest.mark.parametrize(
+    ('overrides', 'message'),
+    [
+        (['trainer.max_duraton=1ep'], "trainer.max_duraton: unknown argument of Trainer; did you mean 'max_duration'?"),
+        (['trainer.progress_bar=maybe'], "trainer.progress_bar: expected bool, got 'maybe' (str)"),
+        (
+            ['algorithms=[uneven_join,uneven_jion]'],
+            "algorithms[1]: unknown algorithm 'uneven_jion'; did you mean 'uneven_join'? allowed: alibi, ",
+        ),
+    ],
+    ids=['unknown-key', 'wrong-type', 'unknown-algorithm'],
+)
 def test_bad_config_stops_every_rank_before_training(overrides, message, tmp_path):
     result = launch(tmp_path, 'digits_uneven.yaml', *overrides)
     assert result.returncode == 2, result.ranks[0][-3000:]

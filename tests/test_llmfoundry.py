@@ -33,18 +33,42 @@ TRAIN, EVAL, LENGTH = [40, 21], [12, 5], 32
 def run(args: list[str], timeout: float) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE='1', TRANSFORMERS_OFFLINE='1', OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f'{" ".join(args)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n' \
-                                 f'{proc.stderr[-6000:]}'
+    assert proc.returncode == 0, (
+        f'{" ".join(args)} exited with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}'
+    )
 
 
 @pytest.fixture(scope='module')
 def records(tmp_path_factory) -> dict:
     data = tmp_path_factory.mktemp('uneven-mpt')
-    run([sys.executable, str(EXAMPLE / 'prepare.py'), str(data), '--train', *map(str, TRAIN),
-         '--eval', *map(str, EVAL), '--seq-len', str(LENGTH)], timeout=120)
-    run([str(COMPOSER), '-n', '2', '--master_port', str(free_port()), str(EXAMPLE / 'train.py'),
-         str(EXAMPLE / 'uneven_mpt.yaml'), f'variables.data_dir={data}', f'loggers.run_record.out={data / "join"}'],
-        timeout=240)
+    run(
+        [
+            sys.executable,
+            str(EXAMPLE / 'prepare.py'),
+            str(data),
+            '--train',
+            *map(str, TRAIN),
+            '--eval',
+            *map(str, EVAL),
+            '--seq-len',
+            str(LENGTH),
+        ],
+        timeout=120,
+    )
+    run(
+        [
+            str(COMPOSER),
+            '-n',
+            '2',
+            '--master_port',
+            str(free_port()),
+            str(EXAMPLE / 'train.py'),
+            str(EXAMPLE / 'uneven_mpt.yaml'),
+            f'variables.data_dir={data}',
+            f'loggers.run_record.out={data / "join"}',
+        ],
+        timeout=240,
+    )
     out = {'join': [torch.load(data / 'join' / f'rank{r}.pt', weights_only=False) for r in range(2)]}
     out['eval_ids'] = torch.cat([torch.from_numpy(np.load(data / 'data' / 'eval' / f'rank{r}.npy')) for r in range(2)])
     return out

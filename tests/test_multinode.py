@@ -31,8 +31,15 @@ pytestmark = pytest.mark.timeout(2 * HARD_TIMEOUT + 30)
 
 def start(args: list, out: Path) -> subprocess.Popen:
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    return subprocess.Popen([str(a) for a in [COMPOSER, *args, SCRIPT, out]], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [str(a) for a in [COMPOSER, *args, SCRIPT, out]],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def finish(procs: list[subprocess.Popen]) -> None:

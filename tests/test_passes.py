@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from composer.algorithms import LabelSmoothing, MixUp
-from composer.core import Event
-from composer.core import engine
+from composer.core import Event, engine
 
 from composer_join import UnevenJoin
 from composer_join.passes import join_pass
@@ -26,8 +25,15 @@ def test_places_uneven_join_first_last_or_alone():
     assert join_pass(listed, Event.AFTER_DATALOADER) == [mixup, smoothing, join]  # then re-gathers the counts
     assert join_pass([join], Event.AFTER_DATALOADER) == []  # nothing to re-gather
     join._shadow = True  # a shadow microbatch: no other algorithm sees it
-    for event in (Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS, Event.BEFORE_BACKWARD,
-                  Event.AFTER_BACKWARD, Event.EVAL_AFTER_FORWARD, Event.PREDICT_AFTER_FORWARD):
+    for event in (
+        Event.AFTER_FORWARD,
+        Event.BEFORE_LOSS,
+        Event.AFTER_LOSS,
+        Event.BEFORE_BACKWARD,
+        Event.AFTER_BACKWARD,
+        Event.EVAL_AFTER_FORWARD,
+        Event.PREDICT_AFTER_FORWARD,
+    ):
         assert join_pass(listed, event) == [join]
     assert join_pass([mixup, smoothing], Event.BEFORE_LOSS) == [mixup, smoothing]  # no UnevenJoin: unchanged
     assert join.pass_seen

@@ -29,10 +29,17 @@ CI_CONFIGS, FUZZ_CONFIGS, FUZZ_EXAMPLES = 6, 25, 4
 FUZZ = os.environ.get('COMPOSER_JOIN_FUZZ') == '1'
 CONFIGS = FUZZ_CONFIGS if FUZZ else CI_CONFIGS
 
-settings.register_profile('composer_join_ci', max_examples=1, deadline=None, phases=[Phase.generate],
-                          suppress_health_check=list(HealthCheck), database=None)
-settings.register_profile('composer_join_fuzz', parent=settings.get_profile('composer_join_ci'),
-                          max_examples=FUZZ_EXAMPLES)
+settings.register_profile(
+    'composer_join_ci',
+    max_examples=1,
+    deadline=None,
+    phases=[Phase.generate],
+    suppress_health_check=list(HealthCheck),
+    database=None,
+)
+settings.register_profile(
+    'composer_join_fuzz', parent=settings.get_profile('composer_join_ci'), max_examples=FUZZ_EXAMPLES
+)
 PROFILE = settings.get_profile('composer_join_fuzz' if FUZZ else 'composer_join_ci')
 
 pytestmark = pytest.mark.timeout(3600 if FUZZ else 600)
@@ -47,8 +54,12 @@ def configs(draw, world: int) -> dict:
     shards = draw(st.lists(size, min_size=world, max_size=world).filter(lambda s: sum(s) > 0))
     microbatch = draw(st.one_of(st.none(), st.integers(1, batch)))
     cfg = dict(
-        shards=shards, batch_size=batch, microbatch=microbatch, sync=draw(st.sampled_from(SYNCS)),
-        dataset=draw(st.sampled_from(['iterable', 'iterable_nolen'])), epochs=draw(st.integers(1, 2)),
+        shards=shards,
+        batch_size=batch,
+        microbatch=microbatch,
+        sync=draw(st.sampled_from(SYNCS)),
+        dataset=draw(st.sampled_from(['iterable', 'iterable_nolen'])),
+        epochs=draw(st.integers(1, 2)),
         optimizer=draw(st.sampled_from(['sgd', 'adam'])),
         join={'divide_by_initial_world_size': draw(st.booleans())},
     )
@@ -61,8 +72,10 @@ def configs(draw, world: int) -> dict:
 def real_samples(cfg: dict) -> tuple[int, int]:
     """(steps, real samples) the run trains: every epoch as long as the longest shard, cut at ``max_steps``."""
     b = cfg['batch_size']
-    per_step = [sum(max(0, min(b, n - t * b)) for n in cfg['shards']) for t in range(max(-(-n // b) for n in cfg['shards']))]
-    steps = (per_step * cfg['epochs'])[:cfg.get('max_steps')]
+    per_step = [
+        sum(max(0, min(b, n - t * b)) for n in cfg['shards']) for t in range(max(-(-n // b) for n in cfg['shards']))
+    ]
+    steps = (per_step * cfg['epochs'])[: cfg.get('max_steps')]
     return len(steps), sum(steps)
 
 

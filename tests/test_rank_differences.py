@@ -40,14 +40,26 @@ RESUME: dict[str, dict] = {
     'rank0_short': dict(data='self_resuming', shards=[8, 24, 20], batch_size=4, epochs=2, resume_at=[4, 9]),
     # batches of 2, 1 and 3 samples (11, 6, 5 batches): steps 0-3 are planned from the lengths, without
     # agreement (checkpoints 2 and 14 fall there), steps 4-10 agreed
-    'batch_sizes': dict(data='self_resuming', shards=[21, 6, 13], batch_sizes=[2, 1, 3], epochs=2,
-                        resume_at=[2, 14]),
+    'batch_sizes': dict(data='self_resuming', shards=[21, 6, 13], batch_sizes=[2, 1, 3], epochs=2, resume_at=[2, 14]),
     # rebalancing: 2 + 6 + 5 batches in 5 steps per epoch; ranks 0 and 2 receive batches from rank 1
-    'rebalance': dict(data='self_resuming', shards=[8, 24, 20], batch_size=4, epochs=2, join={'mode': 'rebalance'},
-                      resume_at=[2, 3, 7]),
+    'rebalance': dict(
+        data='self_resuming',
+        shards=[8, 24, 20],
+        batch_size=4,
+        epochs=2,
+        join={'mode': 'rebalance'},
+        resume_at=[2, 3, 7],
+    ),
     # FSDP2, sharded checkpoints (a folder per checkpoint, one file per rank)
-    'fsdp2_sharded': dict(data='self_resuming', shards=[8, 24, 20], batch_size=4, epochs=1, wrapper='fsdp2',
-                          state_dict_type='sharded', resume_at=[4]),
+    'fsdp2_sharded': dict(
+        data='self_resuming',
+        shards=[8, 24, 20],
+        batch_size=4,
+        epochs=1,
+        wrapper='fsdp2',
+        state_dict_type='sharded',
+        resume_at=[4],
+    ),
 }
 
 
@@ -61,26 +73,42 @@ SETTINGS: dict[str, list] = {  # per rank: UnevenJoin(**kwargs)
 
 LISTS: dict[str, dict] = {
     # records (one dict per sample) split into pairs by a custom split_batch, an empty shard, multi_auto_sync
-    'records_ddp': dict(fmt='records', split='pairs', shards=[20, 9, 0], batch_size=4, epochs=2, microbatch=3,
-                        sync='multi_auto_sync'),
+    'records_ddp': dict(
+        fmt='records', split='pairs', shards=[20, 9, 0], batch_size=4, epochs=2, microbatch=3, sync='multi_auto_sync'
+    ),
     # raw strings, parsed by the model; Composer's default split (which cannot split an empty list)
-    'strings_ddp': dict(fmt='strings', shards=[13, 24, 6], batch_size=8, epochs=1, microbatch=3,
-                        sync='multi_auto_sync'),
+    'strings_ddp': dict(
+        fmt='strings', shards=[13, 24, 6], batch_size=8, epochs=1, microbatch=3, sync='multi_auto_sync'
+    ),
     # FSDP2: pairs give 4 microbatches for 8 samples (Composer's default would give 3), padded across ranks
-    'records_fsdp2': dict(fmt='records', split='pairs', shards=[20, 9, 13], batch_size=8, epochs=1, microbatch=3,
-                          wrapper='fsdp2'),
+    'records_fsdp2': dict(
+        fmt='records', split='pairs', shards=[20, 9, 13], batch_size=8, epochs=1, microbatch=3, wrapper='fsdp2'
+    ),
     # a batch_transforms that doubles every batch after it was counted: more microbatches than counted
-    'doubling_fsdp2': dict(fmt='records', split='pairs', shards=[20, 9, 13], batch_size=8, epochs=1, microbatch=3,
-                           wrapper='fsdp2', doubling=True, expect_error=True),
+    'doubling_fsdp2': dict(
+        fmt='records',
+        split='pairs',
+        shards=[20, 9, 13],
+        batch_size=8,
+        epochs=1,
+        microbatch=3,
+        wrapper='fsdp2',
+        doubling=True,
+        expect_error=True,
+    ),
 }
 
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory) -> dict:
-    calls = [(name, 'scenarios_resume:resume_cases', dict(cfg=cfg, folder=str(tmp_path_factory.mktemp(name))))
-             for name, cfg in RESUME.items()]
-    calls += [(name, 'scenarios_ranks:with_settings', dict(per_rank=per_rank, shards=SHARDS))
-              for name, per_rank in SETTINGS.items()]
+    calls = [
+        (name, 'scenarios_resume:resume_cases', dict(cfg=cfg, folder=str(tmp_path_factory.mktemp(name))))
+        for name, cfg in RESUME.items()
+    ]
+    calls += [
+        (name, 'scenarios_ranks:with_settings', dict(per_rank=per_rank, shards=SHARDS))
+        for name, per_rank in SETTINGS.items()
+    ]
     calls += [(name, 'scenarios_ranks:train_lists', dict(cfg=cfg)) for name, cfg in LISTS.items()]
     return launch(WORLD, calls, timeout=480)
 
@@ -119,8 +147,9 @@ def test_the_uninterrupted_run_matches_the_reference(runs, name):
     cfg = dict(RESUME[name])
     if 'batch_sizes' in cfg:
         cfg['batch_size'] = 0
-        cfg['batch_plan'] = [[b] * (n // b) + ([n % b] if n % b else []) for n, b in zip(cfg['shards'],
-                                                                                          cfg['batch_sizes'])]
+        cfg['batch_plan'] = [
+            [b] * (n // b) + ([n % b] if n % b else []) for n, b in zip(cfg['shards'], cfg['batch_sizes'])
+        ]
     ref = reference.train(cfg)
     for rank, res in enumerate(ok(runs, name)):
         assert reference.max_abs_diff(res['full']['params'], ref['params']) < 1e-5, f'{name}: rank {rank}'
@@ -132,9 +161,10 @@ def test_the_uninterrupted_run_matches_the_reference(runs, name):
 def test_settings_that_differ_between_ranks_stop_every_rank_before_the_first_step(runs):
     expected = {
         'mode': ["mode='shadow' on rank(s) [0, 2], mode='rebalance' on rank(s) [1]"],
-        'throw_and_divide': ['throw_on_early_termination=False on rank(s) [0, 1], throw_on_early_termination=True '
-                             'on rank(s) [2]', 'divide_by_initial_world_size=False on rank(s) [0], '
-                             'divide_by_initial_world_size=True on rank(s) [1, 2]'],
+        'throw_and_divide': [
+            'throw_on_early_termination=False on rank(s) [0, 1], throw_on_early_termination=True on rank(s) [2]',
+            'divide_by_initial_world_size=False on rank(s) [0], divide_by_initial_world_size=True on rank(s) [1, 2]',
+        ],
         'enable': ['enable=True on rank(s) [0, 1], enable=False on rank(s) [2]'],
     }
     for name, parts in expected.items():
@@ -157,7 +187,7 @@ def test_a_rank_without_uneven_join_fails_at_once_with_a_clear_message_on_the_ot
     output = str(failed.value)
     assert 'rank 1 exited with' in output  # the launch reports the aborted rank
     line = next(line for line in output.splitlines() if line.startswith('rank 0 stopped after'))
-    assert 'at batch 0: UnevenJoin\'s first agreement (at the start of fit or evaluation) failed' in line
+    assert "at batch 0: UnevenJoin's first agreement (at the start of fit or evaluation) failed" in line
     assert 'a rank whose Trainer has no UnevenJoin in its algorithms' in line
     seconds = float(line.split(' stopped after ')[1].split(' s ')[0])
     assert seconds < 10, f'rank 0 waited {seconds} s (the collective timeout is 20 s)'
@@ -191,7 +221,9 @@ def test_microbatches_are_the_dataspecs_split(runs):
 def test_an_fsdp_batch_that_splits_into_more_microbatches_than_counted_stops_every_rank_at_once(runs):
     per_rank = ok(runs, 'doubling_fsdp2')
     for rank in (0, 2):  # 8 + 8 (rank 0) and 5 + 5 (rank 2) samples after doubling: 8 and 5 pairs, 4 counted
-        assert per_rank[rank]['error'].startswith(f'split_batch gave {[8, 0, 5][rank]} microbatches on rank {rank} '
-                                                  f'at step 1, more than the 4 counted when the batch was fetched')
+        assert per_rank[rank]['error'].startswith(
+            f'split_batch gave {[8, 0, 5][rank]} microbatches on rank {rank} '
+            f'at step 1, more than the 4 counted when the batch was fetched'
+        )
     assert per_rank[1]['error'].startswith('rank(s) [0, 2] cannot run step 1 under FSDP')
     assert all(res['microbatches'] == [8, 1] for res in per_rank)  # step 1 stopped at its first microbatch

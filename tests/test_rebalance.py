@@ -56,8 +56,11 @@ TRAINED = [n for n in SCENARIOS if n not in ('gift_read_fails', 'len_too_short',
 def runs() -> dict:
     results = {}
     for world in (2, 3, 4):
-        calls = [(name, 'scenarios_rebalance:train', {'cfg': cfg}) for name, cfg in SCENARIOS.items()
-                 if len(cfg['shards']) == world]
+        calls = [
+            (name, 'scenarios_rebalance:train', {'cfg': cfg})
+            for name, cfg in SCENARIOS.items()
+            if len(cfg['shards']) == world
+        ]
         results.update(launch(world, calls, timeout=420))
     return results
 
@@ -100,12 +103,13 @@ def shard_batches(cfg: dict, epoch: int) -> list[list[tuple]]:
             g = torch.Generator()
             g.manual_seed(3 + epoch)
             start = sum(cfg['shards'][:r])
-            ids = torch.randperm(len(y), generator=g)[start:start + cfg['shards'][r]]
-            out.append([(x[ids[i:i + b]], y[ids[i:i + b]], tuple(ids[i:i + b].tolist()))
-                        for i in range(0, len(ids), b)])
+            ids = torch.randperm(len(y), generator=g)[start : start + cfg['shards'][r]]
+            out.append(
+                [(x[ids[i : i + b]], y[ids[i : i + b]], tuple(ids[i : i + b].tolist())) for i in range(0, len(ids), b)]
+            )
         else:
             x, y = shard(r, cfg['shards'][r])
-            out.append([(x[i:i + b], y[i:i + b], _key(x[i])) for i in range(0, len(y), b)])
+            out.append([(x[i : i + b], y[i : i + b], _key(x[i])) for i in range(0, len(y), b)])
     return out
 
 
@@ -134,8 +138,9 @@ def observed(cfg: dict, per_rank: list[dict]) -> list[list[list[tuple[int, int] 
     """Per epoch, per step, per rank: the ``(owner, index)`` of the batch in its ``state.batch``, None if shadow."""
     out = []
     for epoch in range(cfg['epochs']):
-        lookup = {key: (r, i) for r, batches in enumerate(shard_batches(cfg, epoch))
-                  for i, (_, _, key) in enumerate(batches)}
+        lookup = {
+            key: (r, i) for r, batches in enumerate(shard_batches(cfg, epoch)) for i, (_, _, key) in enumerate(batches)
+        }
         rows = [[s for s in res['steps'] if s['epoch'] == epoch] for res in per_rank]
         assert len({len(r) for r in rows}) == 1, 'ranks ran different numbers of steps'
         steps = []
@@ -179,8 +184,11 @@ def test_every_batch_once_in_the_specified_steps(runs, name):
                 assert None not in cells, f'{name}: a rank idles at step {t}, before the last step'
     for res in per_rank:
         assert res['dataloader_len'] == steps
-        assert res['timestamp'] == {'batch': steps * cfg['epochs'], 'sample': sum(cfg['shards']) * cfg['epochs'],
-                                    'epoch': cfg['epochs']}
+        assert res['timestamp'] == {
+            'batch': steps * cfg['epochs'],
+            'sample': sum(cfg['shards']) * cfg['epochs'],
+            'epoch': cfg['epochs'],
+        }
 
 
 @pytest.mark.parametrize('name', ['ratio_2_1', 'empty_three', 'four_ranks_4_1', 'map_skewed_sampler', 'empty_dict'])
@@ -193,12 +201,15 @@ def test_report_counts_own_received_given_shadow_and_bytes(runs, name):
         assert len(res['reports']) == cfg['epochs']
         for report, steps in zip(res['reports'], seen):
             cells = [(r, c) for row in steps for r, c in enumerate(row)]
-            assert report['own_batches'] == [sum(c is not None and c[0] == r for q, c in cells if q == r)
-                                             for r in range(world)]
-            assert report['received_batches'] == [sum(c is not None and c[0] != r for q, c in cells if q == r)
-                                                  for r in range(world)]
-            assert report['given_batches'] == [sum(c is not None and c[0] == r and q != r for q, c in cells)
-                                               for r in range(world)]
+            assert report['own_batches'] == [
+                sum(c is not None and c[0] == r for q, c in cells if q == r) for r in range(world)
+            ]
+            assert report['received_batches'] == [
+                sum(c is not None and c[0] != r for q, c in cells if q == r) for r in range(world)
+            ]
+            assert report['given_batches'] == [
+                sum(c is not None and c[0] == r and q != r for q, c in cells) for r in range(world)
+            ]
             assert report['shadow_steps'] == [sum(c is None for q, c in cells if q == r) for r in range(world)]
             assert sum(report['received_batches']) > 0
             for r in range(world):
@@ -242,7 +253,7 @@ def test_non_tensor_content_moves_with_the_batch(runs):
     assert received, 'rank 1 received no batch'
     for s in received:
         start = [_key(x[i]) for i in range(0, 32, 8)].index(_key(s['first_x'])) * 8
-        assert s['text'] == [f'sample {int(v)}' for v in y[start:start + 8]]
+        assert s['text'] == [f'sample {int(v)}' for v in y[start : start + 8]]
 
 
 def test_a_failing_donor_stops_every_rank_without_a_hang(runs):

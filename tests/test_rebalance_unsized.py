@@ -29,8 +29,14 @@ READ_AHEAD = 2
 SCENARIOS: dict[str, dict] = {
     # 2 ranks
     'all_unsized_2_1': dict(shards=[80, 40], batch_size=8, epochs=2),
-    'mixed_empty_mid_batch_adam': dict(shards=[43, 0], batch_size=8, epochs=2, unsized=[0], optimizer='adam',
-                                       join={'divide_by_initial_world_size': False}),
+    'mixed_empty_mid_batch_adam': dict(
+        shards=[43, 0],
+        batch_size=8,
+        epochs=2,
+        unsized=[0],
+        optimizer='adam',
+        join={'divide_by_initial_world_size': False},
+    ),
     'sized_long_unsized_short': dict(shards=[61, 5], batch_size=4, epochs=1, unsized=[1]),
     'mb_single': dict(shards=[43, 21], batch_size=8, epochs=1, unsized=[1], microbatch=3, sync='single_auto_sync'),
     'mb_multi': dict(shards=[43, 21], batch_size=8, epochs=1, unsized=[1], microbatch=3, sync='multi_auto_sync'),
@@ -42,8 +48,9 @@ SCENARIOS: dict[str, dict] = {
     'three_mixed_empty': dict(shards=[40, 0, 13], batch_size=4, epochs=2, unsized=[0, 1]),
     # 4 ranks
     'four_4_1': dict(shards=[64, 16, 16, 16], batch_size=8, epochs=1),
-    'four_one_empty_mb_multi': dict(shards=[24, 24, 24, 0], batch_size=8, epochs=1, unsized=[3], microbatch=3,
-                                    sync='multi_auto_sync'),
+    'four_one_empty_mb_multi': dict(
+        shards=[24, 24, 24, 0], batch_size=8, epochs=1, unsized=[3], microbatch=3, sync='multi_auto_sync'
+    ),
 }
 TRAINED = [n for n in SCENARIOS if not n.startswith('fails_')]
 TEXT_OVERRIDES = ['data.pydoc_text.fraction=0.1', 'algorithms.uneven_join.mode=rebalance']
@@ -54,11 +61,19 @@ RESUME = dict(shards=[56, 16], batch_size=8, epochs=2, resume_at=[3, 8])  # step
 def runs(tmp_path_factory) -> dict:
     results = {}
     for world in (2, 3, 4):
-        calls = [(name, 'scenarios_readahead:train', {'cfg': cfg}) for name, cfg in SCENARIOS.items()
-                 if len(cfg['shards']) == world]
+        calls = [
+            (name, 'scenarios_readahead:train', {'cfg': cfg})
+            for name, cfg in SCENARIOS.items()
+            if len(cfg['shards']) == world
+        ]
         if world == 2:
-            calls.append(('resume', 'scenarios_readahead:resume',
-                          {'cfg': RESUME, 'folder': str(tmp_path_factory.mktemp('readahead'))}))
+            calls.append(
+                (
+                    'resume',
+                    'scenarios_readahead:resume',
+                    {'cfg': RESUME, 'folder': str(tmp_path_factory.mktemp('readahead'))},
+                )
+            )
             calls.append(('text', 'scenarios_readahead:text_token_budget', {'overrides': TEXT_OVERRIDES}))
         results.update(launch(world, calls, timeout=420))
     return results
@@ -135,7 +150,7 @@ def batch(cfg: dict, cell: tuple[int, int]):
     owner, i = cell
     x, y = shard(owner, cfg['shards'][owner])
     b = cfg['batch_size']
-    return x[i * b:(i + 1) * b], y[i * b:(i + 1) * b]
+    return x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]
 
 
 def replay(cfg: dict, steps_per_epoch: list[list[list[Cell]]]) -> dict:
@@ -228,12 +243,15 @@ def test_report_counts_own_received_given_and_shadow_steps(runs):
         cells = [(q, c) for row in steps for q, c in enumerate(row)]
         for res in per_rank:
             report = res['reports'][0]  # epoch 0 (the last epoch of a fit for a number of samples has no EPOCH_END)
-            assert report['own_batches'] == [sum(c is not None and c[0] == r for q, c in cells if q == r)
-                                             for r in range(world)]
-            assert report['received_batches'] == [sum(c is not None and c[0] != r for q, c in cells if q == r)
-                                                  for r in range(world)]
-            assert report['given_batches'] == [sum(c is not None and c[0] == r and q != r for q, c in cells)
-                                               for r in range(world)]
+            assert report['own_batches'] == [
+                sum(c is not None and c[0] == r for q, c in cells if q == r) for r in range(world)
+            ]
+            assert report['received_batches'] == [
+                sum(c is not None and c[0] != r for q, c in cells if q == r) for r in range(world)
+            ]
+            assert report['given_batches'] == [
+                sum(c is not None and c[0] == r and q != r for q, c in cells) for r in range(world)
+            ]
             assert report['shadow_steps'] == [sum(c is None for q, c in cells if q == r) for r in range(world)]
             assert sum(report['received_batches']) > 0
             assert all((report['bytes_sent'][r] > 0) == (report['given_batches'][r] > 0) for r in range(world))
@@ -264,19 +282,19 @@ def test_a_checkpoint_resumed_mid_tail_gives_the_same_batches_and_weights(runs, 
     full = ok(runs, 'resume')
     expected = simulate(counts_of(RESUME))
     steps = len(expected)
-    epoch, step = divmod(at, steps)
+    step = at % steps
     assert any(row[1] is not None and row[1][0] == 0 for row in expected[step:]), 'not in the tail'
     for rank in range(2):
         whole, resumed = full[rank]['full'], full[rank][f'resumed@{at}']
         assert reference.max_abs_diff(whole['params'], resumed['params']) == 0.0
         after = [s for s in whole['steps'] if s['batch'] >= at]
         assert resumed['steps'] == after  # same ids at the same global steps: nothing skipped or repeated
-    reference.assert_like_reference('resume', [full[r]['full'] for r in range(2)],
-                                    replay(RESUME, [expected] * RESUME['epochs']), TOL)
+    reference.assert_like_reference(
+        'resume', [full[r]['full'] for r in range(2)], replay(RESUME, [expected] * RESUME['epochs']), TOL
+    )
 
 
 # -- the token-budget text config (configs/text_token_budget.yaml), its shards without len() -----------
-
 
 
 def test_token_budget_text_config_matches_the_replay(runs):
@@ -294,12 +312,23 @@ def test_token_budget_text_config_matches_the_replay(runs):
     own = [res['own'] for res in per_rank]
     counts = [len(o) for o in own]
     assert counts[0] != counts[1]  # token budgets make the shards uneven
-    lookup = {tuple(t.flatten()[:64].tolist() + [t.shape[0], t.shape[1]]): (r, i)
-              for r, batches in enumerate(own) for i, (t, _) in enumerate(batches)}
+    lookup = {
+        tuple(t.flatten()[:64].tolist() + [t.shape[0], t.shape[1]]): (r, i)
+        for r, batches in enumerate(own)
+        for i, (t, _) in enumerate(batches)
+    }
     steps = len(per_rank[0]['steps'])
-    seen = [[None if res['steps'][t]['batch'] is None else
-             lookup[tuple(res['steps'][t]['batch'][0].flatten()[:64].tolist() + list(res['steps'][t]['batch'][0].shape))]
-             for res in per_rank] for t in range(steps)]
+    seen = [
+        [
+            None
+            if res['steps'][t]['batch'] is None
+            else lookup[
+                tuple(res['steps'][t]['batch'][0].flatten()[:64].tolist() + list(res['steps'][t]['batch'][0].shape))
+            ]
+            for res in per_rank
+        ]
+        for t in range(steps)
+    ]
     assert seen == simulate(counts)
     assert len(seen) < max(counts)  # shorter than shadowing's epoch
     lrs = [[s['lr'] for s in res['steps']] for res in per_rank]

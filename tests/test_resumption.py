@@ -25,28 +25,47 @@ WORLD = 3
 # name -> config. Per-rank shards of 4-sample batches: 21, 0, 13 samples = 6, 0, 4 batches per epoch.
 SCENARIOS: dict[str, dict] = {
     # an empty shard, rank 2 shadowing from step 4; checkpoints in epoch 0, at the epoch boundary, in epoch 1
-    'iterable_sized': dict(data='sized', shards=[21, 0, 13], batch_size=4, epochs=2,
-                           resume_at=[1, 5, 6, 8, 11], autoresume_at=[8]),
+    'iterable_sized': dict(
+        data='sized', shards=[21, 0, 13], batch_size=4, epochs=2, resume_at=[1, 5, 6, 8, 11], autoresume_at=[8]
+    ),
     # microbatches of 3 under multi_auto_sync (uneven microbatch counts), Adam
-    'microbatch': dict(data='sized', shards=[21, 5, 13], batch_size=4, epochs=2, microbatch=3,
-                       sync='multi_auto_sync', optimizer='adam', resume_at=[4, 9]),
+    'microbatch': dict(
+        data='sized',
+        shards=[21, 5, 13],
+        batch_size=4,
+        epochs=2,
+        microbatch=3,
+        sync='multi_auto_sync',
+        optimizer='adam',
+        resume_at=[4, 9],
+    ),
     # map-style, a shuffling DistributedSampler subclass with uneven shards of 17, 2 and 8 samples
-    'shuffled_subclass': dict(data='shuffled_subclass', map_size=27, cuts=[0, 17, 19, 27], batch_size=4, epochs=2,
-                              resume_at=[3, 5, 7], autoresume_at=[7]),
+    'shuffled_subclass': dict(
+        data='shuffled_subclass',
+        map_size=27,
+        cuts=[0, 17, 19, 27],
+        batch_size=4,
+        epochs=2,
+        resume_at=[3, 5, 7],
+        autoresume_at=[7],
+    ),
     # map-style, ExactDistributedSampler (shuffled, shards of 10, 10, 9 samples in batches of 3)
     'exact_sampler': dict(data='exact_sampler', map_size=29, batch_size=3, epochs=2, resume_at=[3, 6]),
     # iterable shards without len(), a duration in batches: epoch 0 has 6 steps, epoch 1 is cut at step 4
     'unsized': dict(data='unsized', shards=[21, 0, 13], batch_size=4, max_duration='10ba', resume_at=[3, 7]),
     # a dataset that resumes itself (Composer's state_dict(num_samples, from_beginning) protocol)
-    'self_resuming': dict(data='self_resuming', shards=[21, 6, 13], batch_size=4, epochs=2, resume_at=[2, 5, 8],
-                          autoresume_at=[9]),
+    'self_resuming': dict(
+        data='self_resuming', shards=[21, 6, 13], batch_size=4, epochs=2, resume_at=[2, 5, 8], autoresume_at=[9]
+    ),
 }
 
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory) -> dict:
-    calls = [(name, 'scenarios_resume:resume_cases', dict(cfg=cfg, folder=str(tmp_path_factory.mktemp(name))))
-             for name, cfg in SCENARIOS.items()]
+    calls = [
+        (name, 'scenarios_resume:resume_cases', dict(cfg=cfg, folder=str(tmp_path_factory.mktemp(name))))
+        for name, cfg in SCENARIOS.items()
+    ]
     return launch(WORLD, calls, timeout=300)
 
 
@@ -100,8 +119,10 @@ def test_uninterrupted_run_trains_every_sample_once_per_epoch(runs, name):
         expected = sorted([r * 1000 + i for r, n in enumerate(cfg['shards']) for i in range(n)] * cfg['epochs'])
     assert trained == expected
     if cfg['data'] == 'shuffled_subclass':  # and the order really changes between epochs
-        epochs = [[i for s, ids in sorted(per_rank[0]['full']['ids'].items()) for i in ids if (s < 5) == first]
-                  for first in (True, False)]
+        epochs = [
+            [i for s, ids in sorted(per_rank[0]['full']['ids'].items()) for i in ids if (s < 5) == first]
+            for first in (True, False)
+        ]
         assert epochs[0] != epochs[1]
 
 
@@ -127,7 +148,7 @@ def test_a_dataset_that_resumes_itself_is_given_its_own_sample_count(runs):
         assert calls[0::2] == calls[1::2]
         # one checkpoint per batch in each epoch, plus an epoch-end save at the final batch (count 0)
         assert calls[0::2][:steps] == own
-        assert calls[0::2][steps:2 * steps] == own
+        assert calls[0::2][steps : 2 * steps] == own
 
 
 def test_a_streaming_dataset_keeps_the_global_count(monkeypatch):

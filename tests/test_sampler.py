@@ -195,7 +195,9 @@ def test_invalid_num_replicas(world):
         ExactDistributedSampler(list(range(10)), num_replicas=world, rank=0)
 
 
-@pytest.mark.parametrize('kwargs', [dict(num_replicas=2.0, rank=0), dict(num_replicas=2, rank=0.5), dict(num_replicas=True, rank=0)])
+@pytest.mark.parametrize(
+    'kwargs', [dict(num_replicas=2.0, rank=0), dict(num_replicas=2, rank=0.5), dict(num_replicas=True, rank=0)]
+)
 def test_non_integer_rank_or_num_replicas(kwargs):
     with pytest.raises(TypeError, match='must be an int'):
         ExactDistributedSampler(list(range(10)), **kwargs)

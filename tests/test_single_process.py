@@ -20,9 +20,15 @@ from rank_scenarios import ToyModel, make_loader
 def fit(algorithms) -> Trainer:
     model = ToyModel('mlp')
     trainer = Trainer(
-        model=model, train_dataloader=make_loader(dict(shards=[21], batch_size=8), 0), max_duration='2ep',
-        optimizers=torch.optim.SGD(model.parameters(), lr=0.1), algorithms=algorithms, device='cpu',
-        progress_bar=False, log_to_console=False, seed=0,
+        model=model,
+        train_dataloader=make_loader(dict(shards=[21], batch_size=8), 0),
+        max_duration='2ep',
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        algorithms=algorithms,
+        device='cpu',
+        progress_bar=False,
+        log_to_console=False,
+        seed=0,
     )
     trainer.fit()
     trainer.close()
@@ -45,11 +51,14 @@ def test_arguments_must_be_booleans(kwarg):
         UnevenJoin(**{kwarg: 'yes'})
 
 
-@pytest.mark.parametrize('batch', [
-    torch.arange(10).reshape(5, 2),
-    (torch.zeros(5, 3), torch.ones(5)),
-    {'input_ids': torch.zeros(5, 7, dtype=torch.long), 'labels': torch.zeros(5)},
-])
+@pytest.mark.parametrize(
+    'batch',
+    [
+        torch.arange(10).reshape(5, 2),
+        (torch.zeros(5, 3), torch.ones(5)),
+        {'input_ids': torch.zeros(5, 7, dtype=torch.long), 'labels': torch.zeros(5)},
+    ],
+)
 def test_shadow_batches_count_zero_and_split_into_one_microbatch(batch):
     spec = DataSpec([batch])
     shadow = first_samples(batch, 0)

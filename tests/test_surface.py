@@ -24,17 +24,31 @@ PREDICT = {
 }
 EVAL = dict(eval_shards=[12, 3])
 TRAIN = {
-    'callbacks': dict(shards=[24, 10], callbacks=['SpeedMonitor', 'LRMonitor', 'OptimizerMonitor', 'MemoryMonitor',
-                                                   'RuntimeEstimator', 'CheckpointSaver']),
+    'callbacks': dict(
+        shards=[24, 10],
+        callbacks=[
+            'SpeedMonitor',
+            'LRMonitor',
+            'OptimizerMonitor',
+            'MemoryMonitor',
+            'RuntimeEstimator',
+            'CheckpointSaver',
+        ],
+    ),
     'early_stopper': dict(shards=[24, 10], callbacks=['EarlyStopper'], eval_interval='1ba', **EVAL),
     'threshold_stopper': dict(shards=[24, 10], callbacks=['ThresholdStopper'], eval_interval='3ba', **EVAL),
-    'subsets': dict(shards=[40, 10], trainer=dict(train_subset_num_batches=3, eval_subset_num_batches=1),
-                    eval_interval='3ba', **EVAL),
+    'subsets': dict(
+        shards=[40, 10],
+        trainer=dict(train_subset_num_batches=3, eval_subset_num_batches=1),
+        eval_interval='3ba',
+        **EVAL,
+    ),
     'max_batches': dict(shards=[24, 10], max_duration='4ba'),
     'max_samples': dict(shards=[24, 10], max_duration='40sp'),
     'max_tokens': dict(shards=[24, 10], max_duration='160tok', fmt='dict'),
-    'second_fit_no_spin': dict(shards=[24, 10], max_duration='1ep', fits=[{}, {'duration': '1ep'}],
-                               trainer=dict(spin_dataloaders=False)),
+    'second_fit_no_spin': dict(
+        shards=[24, 10], max_duration='1ep', fits=[{}, {'duration': '1ep'}], trainer=dict(spin_dataloaders=False)
+    ),
 }
 CUMULATIVE = [16, 26, 34, 50, 60, 68]  # real samples after each step (24/10, batch 8: 8+8, 8+2, 8+0)
 
@@ -43,8 +57,10 @@ CUMULATIVE = [16, 26, 34, 50, 60, 68]  # real samples after each step (24/10, ba
 def runs() -> dict:
     calls = [(n, 'scenarios_surface:predict', {'cfg': c}) for n, c in PREDICT.items()]
     calls += [(n, 'scenarios_surface:surface_train', {'cfg': c}) for n, c in TRAIN.items()]
-    calls += [('generate', 'scenarios_surface:hf_generate', {'cfg': dict(shards=[12, 5])}),
-              ('without_pass', 'scenarios_surface:without_join_pass', {'cfg': dict(shards=[24, 10])})]
+    calls += [
+        ('generate', 'scenarios_surface:hf_generate', {'cfg': dict(shards=[12, 5])}),
+        ('without_pass', 'scenarios_surface:without_join_pass', {'cfg': dict(shards=[24, 10])}),
+    ]
     return launch(2, calls, timeout=420)
 
 
@@ -57,8 +73,9 @@ def test_predict_gives_every_rank_its_whole_shard_once(runs, name):
         own = -(-n // 8)
         assert res['predict_sample'] == sum(cfg['shards']) and res['predict_batch'] == steps
         # PREDICT_BATCH_END: real batches first, then shadow ones with zero outputs and a zero-sample batch
-        assert [(rows, shadow) for rows, _, shadow, _ in res['seen']] == \
-            [(min(8, n - 8 * i), False) for i in range(own)] + [(0, True)] * (steps - own)
+        assert [(rows, shadow) for rows, _, shadow, _ in res['seen']] == [
+            (min(8, n - 8 * i), False) for i in range(own)
+        ] + [(0, True)] * (steps - own)
         if cfg.get('return_outputs', True) is False:
             assert res['outputs'] == []
             continue
@@ -110,8 +127,10 @@ def test_subset_options(runs):
     assert ranks[1]['shadow'] == [False, False, True] * 2
     assert _same_on_both(ranks, 'eval_batches') == [3, 6]  # eval_interval 3ba: on rank 1's shadow steps
     # eval_subset_num_batches=1: batch 4 of rank 0's 12 and rank 1's 3 samples; accuracy over 7 samples
-    assert all(abs(v * 7 - round(v * 7)) < 1e-5 for v in _same_on_both([r['logged'] for r in ranks],
-                                                                         'metrics/eval/MulticlassAccuracy'))
+    assert all(
+        abs(v * 7 - round(v * 7)) < 1e-5
+        for v in _same_on_both([r['logged'] for r in ranks], 'metrics/eval/MulticlassAccuracy')
+    )
 
 
 @pytest.mark.parametrize('name', ['max_batches', 'max_samples', 'max_tokens'])

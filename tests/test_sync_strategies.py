@@ -19,11 +19,13 @@ BASE = dict(shards=[40, 21, 13], batch_size=8, epochs=2, microbatch=3)
 SCENARIOS: dict[str, dict] = {}
 for sync in STRATEGIES:
     SCENARIOS[f'mlp_{sync}'] = dict(BASE, sync=sync, join=DIVIDE)
-    SCENARIOS[f'unused_{sync}'] = dict(BASE, sync=sync, join=NO_DIVIDE, model='branch', find_unused=True,
-                                       optimizer='adam')
+    SCENARIOS[f'unused_{sync}'] = dict(
+        BASE, sync=sync, join=NO_DIVIDE, model='branch', find_unused=True, optimizer='adam'
+    )
     SCENARIOS[f'tokens_{sync}'] = dict(BASE, sync=sync, join=DIVIDE, model='lm', tokens=True)
-SCENARIOS['four_ranks_multi'] = dict(shards=[30, 17, 9, 0], batch_size=6, epochs=1, microbatch=4,
-                                     sync='multi_auto_sync', join=DIVIDE)
+SCENARIOS['four_ranks_multi'] = dict(
+    shards=[30, 17, 9, 0], batch_size=6, epochs=1, microbatch=4, sync='multi_auto_sync', join=DIVIDE
+)
 
 # Collective counting. Every len() is known, so the steps before the shortest rank's last batch are
 # planned without an agreement; the first agreed step starts its agreement in its own window, later
@@ -58,8 +60,9 @@ def test_gradient_equals_reference_and_replicas_stay_identical(runs, name):
 
 def counts(runs, name: str, step: int) -> dict[str, int]:
     per_rank = ok(runs, name)
-    assert all(res['collectives'][step] == per_rank[0]['collectives'][step] for res in per_rank), \
+    assert all(res['collectives'][step] == per_rank[0]['collectives'][step] for res in per_rank), (
         f'{name}: ranks issued different collectives at step {step}'
+    )
     return per_rank[0]['collectives'][step]
 
 

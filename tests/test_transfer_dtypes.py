@@ -18,8 +18,14 @@ from test_join_core import ok
 
 @pytest.fixture(scope='module')
 def runs() -> dict:
-    return launch(2, [('every_dtype', 'scenarios_transfer:transfer', {}),
-                      ('unsendable', 'scenarios_transfer:transfer', {'unsendable': True})], timeout=180)
+    return launch(
+        2,
+        [
+            ('every_dtype', 'scenarios_transfer:transfer', {}),
+            ('unsendable', 'scenarios_transfer:transfer', {'unsendable': True}),
+        ],
+        timeout=180,
+    )
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,10 @@ def make_module(kind: str = 'mlp') -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.Tanh(), torch.nn.Linear(8, CLASSES))
     if kind == 'bn':
         return torch.nn.Sequential(
-            torch.nn.Linear(FEATURES, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, CLASSES),
+            torch.nn.Linear(FEATURES, 8),
+            torch.nn.BatchNorm1d(8),
+            torch.nn.Tanh(),
+            torch.nn.Linear(8, CLASSES),
         )
     if kind == 'branch':
         return Branchy()
@@ -116,8 +119,8 @@ def lm_batch(seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     labels = torch.full((len(seqs), width), -100, dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, :len(s)] = s
-        labels[i, :len(s) - 1] = s[1:]
+        ids[i, : len(s)] = s
+        labels[i, : len(s) - 1] = s[1:]
     return {'input_ids': ids, 'labels': labels}
 
 

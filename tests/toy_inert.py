@@ -46,11 +46,12 @@ class SumBatchNorm(torch.nn.Module):
         stats = torch.cat([x.sum(0), (x * x).sum(0), x.new_full((1,), float(len(x)))])
         if self.distributed:
             from torch.distributed.nn.functional import all_reduce
+
             stats = all_reduce(stats)
         c = len(self.weight)
         n = stats[2 * c]
         mean = stats[:c] / n
-        var = stats[c:2 * c] / n - mean * mean
+        var = stats[c : 2 * c] / n - mean * mean
         return (x - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
 
 

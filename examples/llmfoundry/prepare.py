@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import numpy as np
-from pydoc_data.topics import topics
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -28,8 +28,9 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, unk_token=EOS, pad_token=EOS)
 
@@ -50,7 +51,7 @@ def main() -> None:
     tokenizer.save_pretrained(args.out / 'tokenizer')
 
     ids = np.array([t for text in texts for t in tokenizer(text)['input_ids'] + [tokenizer.eos_token_id]])
-    chunks = ids[:len(ids) // args.seq_len * args.seq_len].reshape(-1, args.seq_len)
+    chunks = ids[: len(ids) // args.seq_len * args.seq_len].reshape(-1, args.seq_len)
     needed = sum(args.train) + sum(args.eval)
     if needed > len(chunks):
         parser.error(f'asked for {needed} sequences of {args.seq_len} tokens, the corpus has {len(chunks)}')
@@ -58,10 +59,12 @@ def main() -> None:
     for split, counts in (('train', args.train), ('eval', args.eval)):
         (args.out / 'data' / split).mkdir(parents=True, exist_ok=True)
         for rank, n in enumerate(counts):
-            np.save(args.out / 'data' / split / f'rank{rank}.npy', chunks[start:start + n].astype(np.int64))
+            np.save(args.out / 'data' / split / f'rank{rank}.npy', chunks[start : start + n].astype(np.int64))
             start += n
-    print(f'{args.out}: tokenizer of {len(tokenizer)} tokens; sequences of {args.seq_len} tokens per rank: '
-          f'train {args.train}, eval {args.eval}')
+    print(
+        f'{args.out}: tokenizer of {len(tokenizer)} tokens; sequences of {args.seq_len} tokens per rank: '
+        f'train {args.train}, eval {args.eval}'
+    )
 
 
 if __name__ == '__main__':

@@ -54,17 +54,33 @@ def _collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     return {'input_ids': ids, 'labels': ids.clone()}  # no padding, so no attention_mask
 
 
-def uneven_shards(tokenizer: Any, device_batch_size: int, path: str, num_workers: int = 0,
-                  prefetch_factor: Optional[int] = None, pin_memory: bool = False,
-                  persistent_workers: bool = False, timeout: float = 0) -> DataSpec:
+def uneven_shards(
+    tokenizer: Any,
+    device_batch_size: int,
+    path: str,
+    num_workers: int = 0,
+    prefetch_factor: Optional[int] = None,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+    timeout: float = 0,
+) -> DataSpec:
     """This rank's own shard, ``<path>/rank<global rank>.npy``, as llm-foundry's dataloader builders return it."""
     file = Path(path) / f'rank{dist.get_global_rank()}.npy'
     if not file.exists():
-        raise FileNotFoundError(f'uneven_shards: rank {dist.get_global_rank()} has no shard {file} '
-                                f'(run examples/llmfoundry/prepare.py with one count per rank)')
-    loader = DataLoader(RankShard(file), batch_size=int(device_batch_size), collate_fn=_collate,
-                        num_workers=num_workers, prefetch_factor=prefetch_factor, pin_memory=pin_memory,
-                        persistent_workers=persistent_workers, timeout=timeout)
+        raise FileNotFoundError(
+            f'uneven_shards: rank {dist.get_global_rank()} has no shard {file} '
+            f'(run examples/llmfoundry/prepare.py with one count per rank)'
+        )
+    loader = DataLoader(
+        RankShard(file),
+        batch_size=int(device_batch_size),
+        collate_fn=_collate,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor,
+        pin_memory=pin_memory,
+        persistent_workers=persistent_workers,
+        timeout=timeout,
+    )
     return DataSpec(loader, get_num_tokens_in_batch=get_tokens_per_batch_func())
 
 
@@ -97,13 +113,16 @@ class RunRecord(LoggerDestination):
     def fit_end(self, state: State, logger: Logger) -> None:
         model = _unwrap(state.model).model  # the Hugging Face model (MPTForCausalLM) inside Composer's wrapper
         self.out.mkdir(parents=True, exist_ok=True)
-        torch.save({
-            'samples': int(state.timestamp.sample),
-            'batches': int(state.timestamp.batch),
-            'state_dict': {k: v.detach().clone() for k, v in model.state_dict().items()},
-            'config': model.config.to_dict(),
-            'evals': self.evals,
-        }, self.out / f'rank{dist.get_global_rank()}.pt')
+        torch.save(
+            {
+                'samples': int(state.timestamp.sample),
+                'batches': int(state.timestamp.batch),
+                'state_dict': {k: v.detach().clone() for k, v in model.state_dict().items()},
+                'config': model.config.to_dict(),
+                'evals': self.evals,
+            },
+            self.out / f'rank{dist.get_global_rank()}.pt',
+        )
 
 
 dataloaders.register('uneven_shards', func=uneven_shards)

@@ -25,8 +25,8 @@ event                     what happens
 ``AFTER_TRAIN_BATCH``     put train metrics back; list states made syncable (:mod:`composer_join.metrics`)
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
                           (rebalance: with bytes moved)
-``*_CHECKPOINT``, ``FIT_END``  wrapper (DDP): buffers equal on every rank before a checkpoint is saved
-                          and at the end of ``fit``
+``*_CHECKPOINT``          wrapper (DDP): buffers equal on every rank before a checkpoint is saved
+``FIT_END``               wrapper (DDP): buffers equal on every rank at the end of ``fit``
 ``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement);
                           wrapper: FSDP pads eval microbatches, DDP makes buffers equal on every rank
 ``EVAL_BATCH_START``      automatic microbatching: keep the metric states, for a retry after an OOM

@@ -191,6 +191,21 @@ def test_every_batch_once_in_the_specified_steps(runs, name):
         }
 
 
+def assert_report_matches(report: dict, steps: list, world: int) -> None:
+    """An epoch report's per-rank counts equal what the observed steps (per step, per rank: (source, batch) or None) say."""
+    cells = [(q, c) for row in steps for q, c in enumerate(row)]
+    assert report['own_batches'] == [sum(c is not None and c[0] == r for q, c in cells if q == r) for r in range(world)]
+    assert report['received_batches'] == [
+        sum(c is not None and c[0] != r for q, c in cells if q == r) for r in range(world)
+    ]
+    assert report['given_batches'] == [
+        sum(c is not None and c[0] == r and q != r for q, c in cells) for r in range(world)
+    ]
+    assert report['shadow_steps'] == [sum(c is None for q, c in cells if q == r) for r in range(world)]
+    assert sum(report['received_batches']) > 0
+    assert all((report['bytes_sent'][r] > 0) == (report['given_batches'][r] > 0) for r in range(world))
+
+
 @pytest.mark.parametrize('name', ['ratio_2_1', 'empty_three', 'four_ranks_4_1', 'map_skewed_sampler', 'empty_dict'])
 def test_report_counts_own_received_given_shadow_and_bytes(runs, name):
     cfg = SCENARIOS[name]
@@ -200,20 +215,7 @@ def test_report_counts_own_received_given_shadow_and_bytes(runs, name):
     for res in per_rank:
         assert len(res['reports']) == cfg['epochs']
         for report, steps in zip(res['reports'], seen):
-            cells = [(r, c) for row in steps for r, c in enumerate(row)]
-            assert report['own_batches'] == [
-                sum(c is not None and c[0] == r for q, c in cells if q == r) for r in range(world)
-            ]
-            assert report['received_batches'] == [
-                sum(c is not None and c[0] != r for q, c in cells if q == r) for r in range(world)
-            ]
-            assert report['given_batches'] == [
-                sum(c is not None and c[0] == r and q != r for q, c in cells) for r in range(world)
-            ]
-            assert report['shadow_steps'] == [sum(c is None for q, c in cells if q == r) for r in range(world)]
-            assert sum(report['received_batches']) > 0
-            for r in range(world):
-                assert (report['bytes_sent'][r] > 0) == (report['given_batches'][r] > 0)
+            assert_report_matches(report, steps, world)
         logged = res['logged']
         assert logged['uneven_join/bytes_moved'] == [sum(r['bytes_sent']) for r in res['reports']]
         assert logged['uneven_join/rank_0/given_batches'] == [r['given_batches'][0] for r in res['reports']]

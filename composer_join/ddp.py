@@ -41,6 +41,7 @@ from composer_join.shadow import (
     DDPShadow,
     ForwardProbe,
     LossShape,
+    StandIn,
     connected_zero_loss,
     forward_communicates,
     skippable,
@@ -194,6 +195,7 @@ class DDPWrapper(Wrapper):
         self._shadowing: Optional[str] = None  # how the current microbatch shadows (None: real)
         self._padding: Any = None
         self._probe: Optional[ForwardProbe] = None
+        self._zero_loss = StandIn()  # 'zero' mode: the stand-in loss on the model
 
     def state_dict(self) -> dict[str, Any]:
         return {'buffer_source': self._source.rank}
@@ -274,8 +276,9 @@ class DDPWrapper(Wrapper):
         if self._guard is not None:
             self._guard.armed = True
         if self.mode == 'zero':
-            model = state.model.module
-            model.loss = lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
+            self._zero_loss.install(
+                state.model.module, loss=lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
+            )
             return True  # the forward runs on the zero-sample batch itself
         return False
 
@@ -307,7 +310,6 @@ class DDPWrapper(Wrapper):
         if self._shadowing == 'skip':
             self._stand_in.remove()
         elif self._shadowing is not None:
-            if self._shadowing == 'zero':
-                state.model.module.__dict__.pop('loss', None)
+            self._zero_loss.remove()
             self._guard.restore()
         self._shadowing = None

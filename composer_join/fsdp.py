@@ -45,7 +45,7 @@ from composer_join.buffers import BufferGuard
 from composer_join.errors import UnevenInputsError
 from composer_join.oom import OOMChecks
 from composer_join.plan import StepPlan
-from composer_join.shadow import LossShape, connected_zero_loss
+from composer_join.shadow import LossShape, StandIn, connected_zero_loss
 from composer_join.wrapper import Wrapper
 
 __all__ = ['FSDPWrapper', 'GradientUnits', 'MicrobatchPadding']
@@ -311,7 +311,7 @@ class FSDPWrapper(Wrapper):
         self._oom = OOMChecks()
         self._failures: list = []  # errors MicrobatchPadding found in this step, raised at its first loss
         self._loss_shape = LossShape()
-        self._stand_in = False  # the current microbatch's loss is the stand-in
+        self._stand_in = StandIn()  # the current microbatch's loss, if it is the stand-in
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
@@ -355,14 +355,13 @@ class FSDPWrapper(Wrapper):
             self._guard.restore()
 
     def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
-        if self._stand_in:  # the last microbatch did not reach its loss (e.g. an OOM retry)
-            state.model.__dict__.pop('loss', None)
-            self._stand_in = False
+        self._stand_in.remove()  # the last microbatch may not have reached its loss (e.g. an OOM retry)
         if shadow:
             self._guard.armed = True
             if self._loss_shape.known:  # else (no real loss seen yet on this rank) the model's own, on the template
-                state.model.loss = lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)  # type: ignore[assignment]
-                self._stand_in = True
+                self._stand_in.install(
+                    state.model, loss=lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
+                )
         return False
 
     def after_forward(self, state: State, plan: StepPlan) -> None:
@@ -372,9 +371,8 @@ class FSDPWrapper(Wrapper):
         self._oom.after_loss(state)  # automatic microbatching: before the unused-parameter check's all-reduce
         failure = self._failures[0] if self._failures else None
         self._failures.clear()
-        if self._stand_in:
-            del state.model.loss
-            self._stand_in = False
+        if self._stand_in.installed:
+            self._stand_in.remove()
         else:
             self._loss_shape.record(state.loss)
         if len(self._units):

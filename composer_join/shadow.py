@@ -37,7 +37,57 @@ from torch.nn.parallel import DistributedDataParallel
 
 from composer_join.batches import map_tensors
 
-__all__ = ['DDPShadow', 'ForwardProbe', 'LossShape', 'connected_zero_loss', 'forward_communicates', 'skippable']
+__all__ = [
+    'DDPShadow',
+    'ForwardProbe',
+    'LossShape',
+    'StandIn',
+    'connected_zero_loss',
+    'forward_communicates',
+    'skippable',
+]
+
+
+class StandIn:
+    """Instance attributes set for one microbatch, then put back exactly as they were.
+
+    A stand-in forward or loss goes on the instance (``ddp.forward``, ``model.loss``), where it
+    shadows the class's method. :meth:`remove` restores the instance's own earlier value if it had
+    one (a user's or another tool's patch), else deletes the attribute. Idempotent.
+
+    Example:
+        >>> class Model:
+        ...     def loss(self):
+        ...         return 'real'
+        >>> m = Model()
+        >>> m.loss = lambda: 'patched by the user'
+        >>> stand_in = StandIn()
+        >>> stand_in.install(m, loss=lambda: 'zero')
+        >>> m.loss(), stand_in.remove(), m.loss()
+        ('zero', None, 'patched by the user')
+    """
+
+    _MISSING = object()
+
+    def __init__(self):
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._saved)
+
+    def install(self, obj: Any, **attributes: Any) -> None:
+        for name, value in attributes.items():
+            self._saved.append((obj, name, obj.__dict__.get(name, self._MISSING)))
+            setattr(obj, name, value)
+
+    def remove(self) -> None:
+        for obj, name, previous in reversed(self._saved):
+            if previous is self._MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, previous)
+        self._saved = []
 
 
 def forward_communicates(module: torch.nn.Module) -> bool:
@@ -195,7 +245,6 @@ class _MatchBackward(torch.autograd.Function):
         return None, None
 
 
-
 def _bucket_view(segment: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``param``'s gradient in its bucket's ``segment``, laid out as DDP's reducer lays it out.
 
@@ -209,6 +258,7 @@ def _bucket_view(segment: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
             dense = False
         expected *= param.size(d)
     return segment.as_strided(param.size(), param.stride()) if dense else segment.view_as(param)
+
 
 class DDPShadow:
     """Stands in for one DDP model's forward and its ``ComposerModel.loss`` during shadow microbatches.
@@ -225,18 +275,14 @@ class DDPShadow:
         self.loss_shape = LossShape()
         self._params = ddp._build_params_for_reducer()[0]  # the reducer's variable order (its used map)
         self._sync = False
-        self.installed = False
+        self._stand_in = StandIn()
 
     def install(self) -> None:
-        self.ddp.forward = self._forward  # type: ignore[method-assign]  # instance attributes shadow the class's methods
-        self.model.loss = self._loss  # type: ignore[assignment]
-        self.installed = True
+        self._stand_in.install(self.ddp, forward=self._forward)
+        self._stand_in.install(self.model, loss=self._loss)
 
     def remove(self) -> None:
-        if self.installed:
-            del self.ddp.forward
-            del self.model.loss
-            self.installed = False
+        self._stand_in.remove()
 
     def _forward(self, *args, **kwargs) -> Any:
         """What ``DistributedDataParallel.forward`` communicates, in its order, without the module."""

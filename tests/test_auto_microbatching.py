@@ -51,6 +51,9 @@ FSDP: dict[str, dict] = {
     'fsdp1_no_len': dict(
         BASE, wrapper='fsdp1', dataset='iterable_nolen', max_duration='5ba', max_steps=5, oom=oom([0], [1])
     ),
+    # a shadowing rank's OOM, in its forward on the template (its loss is UnevenJoin's stand-in): rank 1 shadows
+    # from step 1; Composer removes its FSDP1 OOM hooks after 3 OOM-free batches (stock too), so within step 2
+    'fsdp1_shadow_rank_forward': dict(BASE, shards=[40, 8], wrapper='fsdp1', oom=oom([1], [1])),
     'fsdp2_agreed_loss': dict(BASE, wrapper='fsdp2', oom=oom([0], [2], 'loss')),
     # every rank OOMs in evaluation: under FSDP, Composer's eval retry has no in-forward check
     'fsdp1_eval': dict(BASE, wrapper='fsdp1', eval_shards=[20, 7], eval_microbatch=4, oom=oom([0, 1], ['eval'])),

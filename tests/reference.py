@@ -137,3 +137,14 @@ def evaluate(flat_params: torch.Tensor, cfg: dict) -> dict[str, float]:
         'MulticlassAccuracy': float((out.argmax(1) == y).float().mean()),
         'MeanLoss': float(torch.nn.functional.cross_entropy(out, y)),
     }
+
+
+def assert_evaluation_like_reference(per_rank: list[dict], cfg: dict) -> None:
+    """Every rank's last evaluation equals :func:`evaluate` of rank 0's final weights on all ranks' eval data."""
+    import pytest
+
+    flat = torch.cat([p.flatten() for p in per_rank[0]['params'].values()])
+    expected = evaluate(flat, cfg)
+    for res in per_rank:
+        assert res['eval']['MulticlassAccuracy'][-1] == pytest.approx(expected['MulticlassAccuracy'], abs=1e-7)
+        assert res['eval']['MeanLoss'][-1] == pytest.approx(expected['MeanLoss'], abs=1e-6)

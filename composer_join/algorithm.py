@@ -8,7 +8,7 @@ event                     what happens
 ``FIT_START``             agree on the epoch length (longest rank's), wrap the train dataloader
                           in a :class:`~composer_join.loader.JoinLoader` (``mode='rebalance'``:
                           over a :class:`~composer_join.rebalance.RebalancingLoader`), pick the
-                          wrapper's part once (:mod:`composer_join.wrapper`: DDP, FSDP1/2 or none)
+                          wrapper's part once (:mod:`composer_join.wrappers`: DDP, FSDP1/2 or none)
 ``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
 ``AFTER_DATALOADER``      only where other algorithms run at it: shadow step: the template for them,
                           then the zero-sample batch back; every step: re-gather the ranks' counts
@@ -62,7 +62,6 @@ from composer_join.gradients import scale_grad
 from composer_join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
 from composer_join.metrics import MetricStates, shadow_update
 from composer_join.oom import EvalRetry
-from composer_join.passes import MICROBATCH_EVENTS
 from composer_join.plan import StepPlan, agree_on_length
 from composer_join.predict import PREDICT_EVENTS, empty_outputs
 from composer_join.rebalance import RebalancingLoader
@@ -71,13 +70,29 @@ from composer_join.replan import replan
 from composer_join.report import EpochReport
 from composer_join.resume import RankDatasets, own_sample_counts, restore, resume_counts, snapshot, train_position
 from composer_join.settings import row as settings_row
-from composer_join.wrapper import Wrapper, wrapper_for
+from composer_join.wrapper import Wrapper
+from composer_join.wrappers import wrapper_for
 
 __all__ = ['UnevenJoin', 'is_shadow_step']
 
 log = logging.getLogger(__name__)
 
 _STARTS = frozenset((Event.FIT_START, Event.EVAL_START, Event.PREDICT_START))
+# the per-microbatch events, at which composer_join.passes keeps the other algorithms off a shadow microbatch
+MICROBATCH_EVENTS = frozenset(
+    (
+        Event.BEFORE_FORWARD,
+        Event.AFTER_FORWARD,
+        Event.BEFORE_LOSS,
+        Event.AFTER_LOSS,
+        Event.BEFORE_BACKWARD,
+        Event.AFTER_BACKWARD,
+        Event.EVAL_BEFORE_FORWARD,
+        Event.EVAL_AFTER_FORWARD,
+        Event.PREDICT_BEFORE_FORWARD,
+        Event.PREDICT_AFTER_FORWARD,
+    )
+)
 _EVENTS = (
     _STARTS
     | frozenset(

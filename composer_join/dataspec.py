@@ -8,6 +8,7 @@ FSDP's padding) use the same functions:
 
 * :func:`spec_for`: the ``DataSpec`` of the dataloader being wrapped (the trainer's train
   ``DataSpec``, or the evaluator's), found from inside one of Composer's events;
+  :func:`train_data_spec`: the trainer's train ``DataSpec`` itself, found on the call stack;
 * :func:`count_microbatches`: Composer's default split makes ``ceil(samples / microbatch size)``
   microbatches (computed, nothing split); a custom ``split_batch`` is called on the batch and its
   microbatches counted;
@@ -25,21 +26,38 @@ Example::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any
+from types import FrameType
+from typing import Any, Optional
 
 from composer.core import DataSpec, State
 from composer.core.data_spec import _default_split_batch
 
-__all__ = ['ShadowSplit', 'count_microbatches', 'count_samples', 'spec_for', 'unwrapped_split']
+__all__ = ['ShadowSplit', 'count_microbatches', 'count_samples', 'spec_for', 'train_data_spec', 'unwrapped_split']
 
 _COUNT_ERRORS = (ValueError, NotImplementedError, TypeError, AttributeError, IndexError, KeyError)
 
 
+def train_data_spec(state: State) -> Optional[DataSpec]:
+    """The ``DataSpec`` the running ``Trainer`` splits train batches with, found from inside one of its events.
+
+    Composer keeps it on the ``Trainer`` (``_train_data_spec``), which algorithms are not given;
+    this looks for the ``Trainer`` whose ``state`` is ``state`` on the call stack. None if not found.
+    """
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get('self')
+        if getattr(owner, 'state', None) is state:
+            spec = getattr(owner, '_train_data_spec', None)
+            if isinstance(spec, DataSpec):
+                return spec
+        frame = frame.f_back
+    return None
+
+
 def spec_for(state: State, dataloader: Any) -> DataSpec:
     """The ``DataSpec`` Composer uses for ``state.dataloader`` (its label says which); ``DataSpec(dataloader)`` if unknown."""
-    from composer_join.fsdp import train_data_spec  # the Trainer keeps the train DataSpec; found on the call stack
-
     label = state.dataloader_label
     if label == 'train':
         spec = train_data_spec(state)
@@ -52,7 +70,10 @@ def spec_for(state: State, dataloader: Any) -> DataSpec:
 
 
 def unwrapped_split(spec: DataSpec) -> Callable[[Any, Any], Any]:
-    """``spec.split_batch`` without UnevenJoin's wrappers (:class:`ShadowSplit`, FSDP's ``MicrobatchPadding``)."""
+    """``spec.split_batch`` without UnevenJoin's wrappers.
+
+    They are :class:`ShadowSplit` and :class:`~composer_join.padding.MicrobatchPadding`.
+    """
     split = spec.split_batch
     while getattr(split, 'uneven_join_wrapper', False):
         split = split.split  # type: ignore[attr-defined]  # one of UnevenJoin's wrappers

@@ -16,7 +16,7 @@
 * a shadow microbatch runs no model code at all (:class:`~composer_join.shadow.DDPShadow`): only
   DDP's collectives. Where the forward itself communicates (``SyncBatchNorm``), it runs on the
   zero-sample batch instead, every rank splits the step into the same number of microbatches
-  (:class:`~composer_join.fsdp.MicrobatchPadding`) and the loss is a zero-weighted sum of the
+  (:class:`~composer_join.padding.MicrobatchPadding`) and the loss is a zero-weighted sum of the
   outputs (:func:`connected_zero_loss`); the buffers of other modules are guarded.
 * :class:`DDPWrapper`: the above behind the :class:`~composer_join.wrapper.Wrapper` interface.
 """
@@ -32,10 +32,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
 from composer_join.buffers import BufferGuard
+from composer_join.dataspec import train_data_spec
 from composer_join.errors import UnevenInputsError
-from composer_join.fsdp import MicrobatchPadding, train_data_spec
 from composer_join.gradients import share_grad_presence
 from composer_join.oom import OOMChecks
+from composer_join.padding import MicrobatchPadding
 from composer_join.plan import StepPlan
 from composer_join.shadow import (
     DDPShadow,
@@ -166,7 +167,7 @@ def disarm_after_retry(ddp: DistributedDataParallel) -> None:
 class DDPWrapper(Wrapper):
     """UnevenJoin's DDP-specific part: buffer source and syncs, inert shadow microbatches, per-microbatch gradient sync.
 
-    Chosen by :func:`~composer_join.wrapper.wrapper_for` when ``state.model`` is a
+    Chosen by :func:`~composer_join.wrappers.wrapper_for` when ``state.model`` is a
     ``DistributedDataParallel``. Hooks are installed once per DDP object, at its first ``FIT_START``.
     A shadow microbatch runs one of three ways, decided once per DDP object:
 
@@ -223,8 +224,8 @@ class DDPWrapper(Wrapper):
             self._probe.armed, self._probe.found = True, []
         spec = train_data_spec(state)
         if spec is not None:
-            # Forwards that communicate ('zero'): every rank runs the step's largest microbatch count (FSDP's
-            # padding, reused). Otherwise only count microbatches, for automatic microbatching's OOM checks.
+            # Forwards that communicate ('zero'): every rank runs the step's largest microbatch count (the
+            # padding FSDP uses). Otherwise only count microbatches, for automatic microbatching's OOM checks.
             pad = self.mode == 'zero'
             MicrobatchPadding.install(
                 spec,

@@ -20,7 +20,7 @@ while ``state.auto_microbatching`` is on:
 * under DDP, where ranks may split a step into different numbers of microbatches (a partial or a
   shadow batch), a rank with fewer microbatches runs the checks of the microbatches it does not
   have, after its last forward (before the backward pass that syncs gradients); FSDP pads every
-  rank to the same count instead (:class:`~composer_join.fsdp.MicrobatchPadding`).
+  rank to the same count instead (:class:`~composer_join.padding.MicrobatchPadding`).
 
 A check that finds an OOM on another rank drops this rank's gradients (Composer clears them for the
 retry anyway) so that ``forced_sync``'s manual all-reduce, which runs as the error leaves the

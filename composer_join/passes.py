@@ -35,22 +35,10 @@ from collections.abc import Sequence
 
 from composer.core import Algorithm, Event
 
+from composer_join.algorithm import MICROBATCH_EVENTS, UnevenJoin
+
 __all__ = ['install', 'join_pass']
 
-MICROBATCH_EVENTS = frozenset(
-    (
-        Event.BEFORE_FORWARD,
-        Event.AFTER_FORWARD,
-        Event.BEFORE_LOSS,
-        Event.AFTER_LOSS,
-        Event.BEFORE_BACKWARD,
-        Event.AFTER_BACKWARD,
-        Event.EVAL_BEFORE_FORWARD,
-        Event.EVAL_AFTER_FORWARD,
-        Event.PREDICT_BEFORE_FORWARD,
-        Event.PREDICT_AFTER_FORWARD,
-    )
-)
 _LAST = frozenset(e for e in Event if e.name.startswith('AFTER_')) | {
     Event.BEFORE_BACKWARD,
     Event.FIT_START,
@@ -61,8 +49,6 @@ _LAST = frozenset(e for e in Event if e.name.startswith('AFTER_')) | {
 
 def join_pass(algorithms: Sequence[Algorithm], event: Event) -> Sequence[Algorithm]:
     """Place (or isolate) UnevenJoin among ``algorithms`` for ``event``; see the module docstring."""
-    from composer_join.algorithm import UnevenJoin
-
     join = next((a for a in algorithms if isinstance(a, UnevenJoin)), None)
     if join is None:
         return algorithms

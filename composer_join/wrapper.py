@@ -13,14 +13,15 @@ that depends on the wrapper around the model:
 * uneven microbatch counts: DDP syncs only each rank's last microbatch
   (:class:`~composer_join.ddp.MicrobatchSync`); FSDP, which all-gathers and reduce-scatters on
   every microbatch, pads every rank to the step's largest count with shadow microbatches
-  (:class:`~composer_join.fsdp.MicrobatchPadding`);
+  (:class:`~composer_join.padding.MicrobatchPadding`);
 * parameters some rank's microbatch does not use: DDP's ``find_unused_parameters`` and
   ``forced_sync`` handle them; FSDP checks them per microbatch and stops every rank with
   :class:`~composer_join.UnevenInputsError` where it would hang
   (:class:`~composer_join.fsdp.GradientUnits`).
 
-:class:`~composer_join.UnevenJoin` picks one with :func:`wrapper_for` once, at the first
-``FIT_START`` (or ``EVAL_START``), and calls it from its events, on every rank, in this order::
+:class:`~composer_join.UnevenJoin` picks one with :func:`~composer_join.wrappers.wrapper_for` once,
+at the first ``FIT_START`` (or ``EVAL_START``), and calls it from its events, on every rank, in
+this order::
 
     wrapper.load_state_dict(saved)          # once chosen: what a checkpoint held ({} if none)
     wrapper.state_dict()                    # whenever Composer saves a checkpoint
@@ -49,7 +50,7 @@ from composer.core import State
 
 from composer_join.plan import StepPlan
 
-__all__ = ['Wrapper', 'wrapper_for']
+__all__ = ['Wrapper']
 
 
 class Wrapper:
@@ -88,18 +89,3 @@ class Wrapper:
 
     def fit_end(self, state: State) -> None:
         pass
-
-
-def wrapper_for(state: State, rank: int) -> Wrapper:
-    """The :class:`Wrapper` for how Composer wrapped ``state.model``: DDP, FSDP (1 or 2), or none."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(state.model, DistributedDataParallel):
-        from composer_join.ddp import DDPWrapper
-
-        return DDPWrapper(rank)
-    if state.fsdp_enabled:
-        from composer_join.fsdp import FSDPWrapper
-
-        return FSDPWrapper()
-    return Wrapper()

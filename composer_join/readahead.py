@@ -37,8 +37,8 @@ dataloader has ended) in step ``t``'s row. ``held < 2`` only once ``drained``.
 
 So every batch of every rank is trained exactly once, by one rank; a rank that trains a received
 batch counts in ``A_t`` like one that trains its own. Transfers are point to point (the batch
-protocol of :class:`~composer_join.rebalance.RebalancingLoader`, preceded by one ``int64`` saying
-whether a batch follows), inside the ``next()`` the JoinLoader calls once per step on every rank.
+protocol of :class:`~composer_join.rebalance.RebalancingLoader`, whose first message also says
+when no batch follows), inside the ``next()`` the JoinLoader calls once per step on every rank.
 A donor only sends, a receiver only receives, each from one donor: no cycle, no deadlock.
 
 Resumption: the rule depends only on the data, so when Composer spins the dataloader to a
@@ -46,15 +46,15 @@ mid-epoch checkpoint, every rank replays the same rows and transfers, and the sa
 on the same ranks at the same steps (spun batches are discarded, none skipped, none repeated).
 
 Cost over the sized scheme: the agreement on every step but those of rule 7 (so every other step
-while all buffers are full; ``8 * 12 * W`` bytes, overlapped with the previous step's training), one all-reduce of ``2 * W`` integers at each epoch's start, a one-integer
-message before each transfer, and up to two batches of read-ahead per rank.
+while all buffers are full; ``8 * 12 * W`` bytes, overlapped with the previous step's training),
+one all-reduce of ``2 * W`` integers at each epoch's start, and up to two batches of read-ahead
+per rank.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Optional
 
@@ -64,7 +64,7 @@ from composer.utils import dist
 from composer_join.batches import map_tensors
 from composer_join.errors import UnevenInputsError
 from composer_join.plan import StepPlan
-from composer_join.rebalance import RebalancingLoader
+from composer_join.rebalance import _FAILED, _NONE, _OK, RebalancingLoader
 
 __all__ = ['IDLE', 'READ_AHEAD', 'ReadAheadRebalancer', 'agreement_needed', 'assign', 'rebalanced_without_len']
 
@@ -81,8 +81,6 @@ class _Idle:
 
 IDLE = _Idle()
 """What :class:`ReadAheadRebalancer` yields for a step at which this rank has no batch but the epoch goes on."""
-
-_NOTHING, _BATCH, _KEPT = 0, 1, 2  # the flag before a transfer: no batch (donor ran out), a batch, kept (unsendable)
 
 
 def assign(rows: Sequence[tuple[int, bool]], transfers: bool = True) -> Optional[list[Optional[int]]]:
@@ -299,7 +297,12 @@ class ReadAheadRebalancer(RebalancingLoader):
         return rows
 
     def _give(self, source: _Source, receivers: list[int], step: int) -> None:
-        """Send one batch to each receiver, in order: buffered ones first, then fresh ones."""
+        """Send one batch to each receiver, in order: buffered ones first, then fresh ones.
+
+        A receiver is sent "no batch" (it idles this step) if the dataloader ends first, or if the
+        batch cannot be sent: the donor then keeps it (it trains it later itself) and reports
+        ``unsendable``. If reading fails, the remaining receivers are sent a failure, then it raises.
+        """
         failure: Optional[BaseException] = None
         for q in receivers:
             batch = None
@@ -310,31 +313,26 @@ class ReadAheadRebalancer(RebalancingLoader):
                     batch = source.buffer.popleft() if source.buffer else None
                 except Exception as e:  # the receivers must hear of it, or they would wait forever
                     failure = e
-            if failure is None and (self._columns['unsendable'] or batch is None):
-                self._flag(_KEPT if self._columns['unsendable'] else _NOTHING, q)
+            if failure is not None:
+                self._transmit(_FAILED, q)
                 continue
-            if failure is None and _unsendable(batch):
-                source.buffer.appendleft(batch)  # trained here later; no more transfers in this fit
-                self._columns['unsendable'] = True
-                self._flag(_KEPT, q)
-                continue
-            self._flag(_BATCH, q)
-            refused = self._send(batch if failure is None else None, q, step)
-            failure = failure or refused
+            packed = None
+            if batch is not None and not self._columns['unsendable']:
+                try:
+                    packed = self._pack(batch)
+                except Exception:
+                    source.buffer.appendleft(batch)  # trained here later; no more transfers in this fit
+                    self._columns['unsendable'] = True
+            if packed is None:
+                self._transmit(_NONE, q)
+            else:
+                self._transmit(_OK, q, *packed)
         if failure is not None:
             raise failure
 
-    def _flag(self, flag: int, dst: int) -> None:
-        torch.distributed.send(self.to_device(torch.tensor([flag], dtype=torch.int64)), dst)
-        self.bytes_sent += 8
-
     def _receive_gift(self, src: int, step: int) -> Any:
-        flag = self.to_device(torch.zeros(1, dtype=torch.int64))
-        torch.distributed.recv(flag, src)
-        self.bytes_received += 8
-        if int(flag.item()) != _BATCH:
-            return IDLE
-        return self._receive(src, step)
+        batch = self._receive(src, step)
+        return IDLE if batch is None else batch
 
 
 class _Source:
@@ -351,21 +349,6 @@ class _Source:
                 self.buffer.append(next(self.iterator))
             except StopIteration:
                 self.drained = True
-
-
-def _unsendable(batch: Any) -> bool:
-    """True if ``batch`` cannot go through :meth:`RebalancingLoader._send` (checked before the first message)."""
-
-    def check(t: torch.Tensor) -> torch.Tensor:
-        if t.layout != torch.strided:
-            raise TypeError(f'a {t.layout} tensor cannot be sent')
-        return torch.empty(0, dtype=t.dtype)
-
-    try:
-        pickle.dumps(map_tensors(check, batch), pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        return True
-    return False
 
 
 def _nbytes(batch: Any) -> int:

@@ -6,7 +6,8 @@ on it once per step on every rank; inside that call the loader
 1. fetches this rank's next batch (or notes that it has run out, or that fetching failed);
 2. knows the step's :class:`~composer_join.plan.StepPlan`: on the steps before the shortest rank's
    last batch, when every rank's dataloader has a ``len()``, from the lengths alone (every rank
-   has a batch; no collective); on the other steps by agreeing with all ranks (one small
+   has a batch; no collective), or, with read-ahead rebalancing, where its buffer levels say so
+   (:func:`~composer_join.readahead.agreement_needed`); on the other steps by agreeing with all ranks (one small
    collective, which it fetched the batch for and started during the previous ``next``, so that
    it overlaps that step's training);
 3. stops the epoch on every rank when no rank has data left, raises :class:`UnevenInputsError`
@@ -200,12 +201,14 @@ class JoinLoader:
         pending = self._fetch_and_agree(batches, step, planned)
         try:
             while pending is not None:
-                batch, status, error, agreement = pending
-                if step < planned:
+                batch, status, error, agreement, local = pending
+                if local:
                     if not status.has_batch:  # only this rank knows: stop, and Composer stops every rank
                         self._failure = (step, error)  # error None: it ended before its len()
                         return
                     plan = plan_from_lengths(step, self._rank, status, self._world)
+                    if isinstance(self.dataloader, ReadAheadRebalancer):  # a step it planned: every rank has a batch
+                        self.dataloader.observe(plan)
                 else:
                     plan = (agreement or Agreement(step, status, self.to_device)).plan()
                     if isinstance(self.dataloader, ReadAheadRebalancer):  # its buffer levels, for the next step
@@ -238,20 +241,25 @@ class JoinLoader:
     def _fetch_and_agree(self, batches: Iterator[Any], step: int, planned: int):
         """Fetch step ``step``'s batch; start its agreement if it is agreed and not the first agreed step.
 
-        The first agreed step's agreement starts only when that step is asked for: a rank that cannot
-        form its batch on the last planned step stops without it, so the others must not start it early.
+        A step is planned locally (no agreement) if it is one of the ``planned`` leading steps, or if
+        the read-ahead rebalancer says every rank has a batch at it and the next
+        (:func:`~composer_join.readahead.agreement_needed`). The first agreed step's agreement starts
+        only when that step is asked for: a rank that cannot form its batch on the last planned step
+        stops without it, so the others must not start it early.
+        Returns ``(batch, status, error, agreement or None, planned locally)``.
         """
         self._fetched_with = self.microbatch_size()
         batch, status, error = self._fetch(batches, step)
-        if step < planned:
-            if status.has_batch:  # sent with the first agreement (-1 once some batch could not be counted)
+        readahead = self.dataloader if isinstance(self.dataloader, ReadAheadRebalancer) else None
+        if step < planned or (readahead is not None and not readahead.agreed):
+            if status.has_batch:  # sent with the next agreement (-1 once some batch could not be counted)
                 uncountable = min(self._unreported, status.samples) < 0
                 self._unreported = -1 if uncountable else self._unreported + status.samples
-            return batch, status, error, None
+            return batch, status, error, None, True
         status = dataclasses.replace(status, unreported_samples=self._unreported)  # zeroed once agreed
-        if isinstance(self.dataloader, ReadAheadRebalancer):
-            status = dataclasses.replace(status, **self.dataloader.status_columns())
-        return batch, status, error, Agreement(step, status, self.to_device) if step > planned else None
+        if readahead is not None:
+            status = dataclasses.replace(status, **readahead.status_columns())
+        return batch, status, error, Agreement(step, status, self.to_device) if step > planned else None, False
 
     def check_ended_together(self) -> None:
         """Raise on every rank if this epoch (or evaluation) ended early because some rank could not form a batch.

@@ -73,7 +73,8 @@ class StepPlan:
     Attributes:
         step: index of the step in the epoch (``batch_in_epoch``).
         statuses: each rank's :class:`RankStatus`, indexed by rank.
-        agreed: False for a plan derived from the ranks' lengths alone (:func:`plan_from_lengths`):
+        agreed: False for a plan derived locally (:func:`plan_from_lengths`), from the ranks' lengths
+            alone or (rebalancing without ``len()``) from their read-ahead buffer levels:
             every rank has a batch, but only this rank's own status holds its sample and
             microbatch counts (the others' are unknown: ``-1`` samples, ``0`` microbatches).
     """
@@ -185,7 +186,10 @@ def steps_planned_from_lengths(lengths: Optional[Sequence[Optional[int]]], share
 
 
 def plan_from_lengths(step: int, rank: int, own: RankStatus, world_size: int) -> StepPlan:
-    """The plan of a step before any rank's last batch, derived locally: every rank has a batch.
+    """The plan of a step at which every rank is known to have a batch, derived locally.
+
+    Such steps are those before any rank's last batch, and (rebalancing without ``len()``) those
+    :func:`composer_join.readahead.agreement_needed` says need no agreement.
 
     Only ``own`` (this rank's status) is known in full; the other ranks' sample and microbatch
     counts are unknown, so :attr:`StepPlan.even_microbatches` is False: under ``multi_auto_sync``

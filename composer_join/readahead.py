@@ -29,27 +29,32 @@ dataloader has ended) in step ``t``'s row. ``held < 2`` only once ``drained``.
 6. If some rank reported ``unsendable`` (one of its batches cannot be sent: e.g. it holds a
    lambda), there are no more transfers for the rest of the fit: rank 0 logs a warning, and
    ranks that run dry shadow, as in ``mode='shadow'``.
+7. A step assigned from rows in which every rank holds ``>= 2`` needs no agreement
+   (:func:`agreement_needed`): every rank trains its own batch there and at the next step,
+   whatever this step's rows say. The JoinLoader plans it locally (:attr:`ReadAheadRebalancer.agreed`
+   is False), and the next step is assigned from ``held - 1``, what every rank is known to hold.
+   A read error on such a step is raised at the next agreed step, so no rank stops alone.
 
 So every batch of every rank is trained exactly once, by one rank; a rank that trains a received
 batch counts in ``A_t`` like one that trains its own. Transfers are point to point (the batch
-protocol of :class:`~composer_join.rebalance.RebalancingLoader`, preceded by one ``int64`` saying
-whether a batch follows), inside the ``next()`` the JoinLoader calls once per step on every rank.
+protocol of :class:`~composer_join.rebalance.RebalancingLoader`, whose first message also says
+when no batch follows), inside the ``next()`` the JoinLoader calls once per step on every rank.
 A donor only sends, a receiver only receives, each from one donor: no cycle, no deadlock.
 
 Resumption: the rule depends only on the data, so when Composer spins the dataloader to a
 mid-epoch checkpoint, every rank replays the same rows and transfers, and the same batches land
 on the same ranks at the same steps (spun batches are discarded, none skipped, none repeated).
 
-Cost over the sized scheme: the agreement on every step (``8 * 12 * W`` bytes, overlapped with the
-previous step's training), one all-reduce of ``2 * W`` integers at each epoch's start, a one-integer
-message before each transfer, and up to two batches of read-ahead per rank.
+Cost over the sized scheme: the agreement on every step but those of rule 7 (so every other step
+while all buffers are full; ``8 * 12 * W`` bytes, overlapped with the previous step's training),
+one all-reduce of ``2 * W`` integers at each epoch's start, and up to two batches of read-ahead
+per rank.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Optional
 
@@ -59,9 +64,9 @@ from composer.utils import dist
 from composer_join.batches import map_tensors
 from composer_join.errors import UnevenInputsError
 from composer_join.plan import StepPlan
-from composer_join.rebalance import RebalancingLoader
+from composer_join.rebalance import _FAILED, _NONE, _OK, RebalancingLoader
 
-__all__ = ['IDLE', 'READ_AHEAD', 'ReadAheadRebalancer', 'assign', 'rebalanced_without_len']
+__all__ = ['IDLE', 'READ_AHEAD', 'ReadAheadRebalancer', 'agreement_needed', 'assign', 'rebalanced_without_len']
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +81,6 @@ class _Idle:
 
 IDLE = _Idle()
 """What :class:`ReadAheadRebalancer` yields for a step at which this rank has no batch but the epoch goes on."""
-
-_NOTHING, _BATCH, _KEPT = 0, 1, 2  # the flag before a transfer: no batch (donor ran out), a batch, kept (unsendable)
 
 
 def assign(rows: Sequence[tuple[int, bool]], transfers: bool = True) -> Optional[list[Optional[int]]]:
@@ -110,6 +113,22 @@ def assign(rows: Sequence[tuple[int, bool]], transfers: bool = True) -> Optional
             cells[r] = donor
             given[donor] += 1
     return cells
+
+
+def agreement_needed(rows: Sequence[tuple[int, bool]]) -> bool:
+    """Whether the ranks must exchange rows at the step assigned from ``rows`` (the previous step's).
+
+    They need not if every rank holds at least 2 batches: then every rank trains its own at this
+    step (no rank is dry, so none gives), keeps at least one, and so trains its own at the next
+    step too, whatever the rows of this step say. Steps where every rank's buffer is full thus
+    exchange rows every other step; the steps that need no exchange are planned locally by the
+    JoinLoader, as the sized scheme's leading steps are.
+
+    Example:
+        >>> agreement_needed([(2, False), (2, False)]), agreement_needed([(2, False), (1, True)])
+        (False, True)
+    """
+    return min((held for held, _ in rows), default=0) < 2
 
 
 class ReadAheadRebalancer(RebalancingLoader):
@@ -149,6 +168,8 @@ class ReadAheadRebalancer(RebalancingLoader):
         self._rows: Optional[list[tuple[int, bool]]] = None  # the last agreed step's (held, drained) per rank
         self._columns = {'held': 0, 'drained': False, 'unsendable': False}
         self._cells: Optional[list[Optional[int]]] = None  # the current step's assignment
+        self._bounds: list[tuple[int, bool]] = []  # what the current step's rows are known to be without agreeing
+        self.agreed = True  # the step whose batch next() just returned needs an agreement (see agreement_needed)
         self._counts = self._zero_counts()
 
     def __len__(self) -> int:
@@ -172,7 +193,11 @@ class ReadAheadRebalancer(RebalancingLoader):
         return dict(self._columns)
 
     def observe(self, plan: StepPlan) -> None:
-        """Take an agreed step's rows: the levels for the next step's assignment, and the report's counts."""
+        """Take a step's plan: the levels for the next step's assignment, and the report's counts.
+
+        For a step that needed no agreement (:attr:`agreed` False; the JoinLoader's local plan, in
+        which every rank has a batch), the levels are the lower bounds the last agreed rows imply.
+        """
         statuses = plan.statuses
         cells = self._cells or [None] * len(statuses)
         for r, (cell, s) in enumerate(zip(cells, statuses)):
@@ -183,7 +208,7 @@ class ReadAheadRebalancer(RebalancingLoader):
             else:
                 self._counts['received_batches'][r] += 1
                 self._counts['given_batches'][cell] += 1
-        self._rows = [(s.held, s.drained) for s in statuses]
+        self._rows = [(s.held, s.drained) for s in statuses] if plan.agreed else self._bounds
         unsendable = [r for r, s in enumerate(statuses) if s.unsendable]
         if unsendable and self.transfers:
             self.transfers = False
@@ -200,17 +225,23 @@ class ReadAheadRebalancer(RebalancingLoader):
     def __iter__(self) -> Iterator[Any]:
         self.bytes_sent = self.bytes_received = 0
         self._counts, self.assignments, self._rows = self._zero_counts(), [], None
+        self.agreed = True
         source = _Source(iter(self.dataloader))
         self._rows = self._first_rows(source)
+        deferred: Optional[BaseException] = None  # a read error on a step that needed no agreement
         step = 0
         while True:
+            self.agreed = True
             if self._rows is None:  # the JoinLoader did not observe the last step: it stopped
                 return
             cells = assign(self._rows, self.transfers)
-            self._cells, self._rows = cells, None
+            self.agreed = agreement_needed(self._rows)
+            self._cells, self._bounds, self._rows = cells, [(held - 1, d) for held, d in self._rows], None
             self.assignments.append(cells)
             if cells is None:
                 return
+            if deferred is not None and self.agreed:  # the JoinLoader's agreement tells every rank
+                raise deferred
             mine = cells[self.rank]
             if mine == self.rank:
                 batch = source.buffer.popleft()
@@ -221,7 +252,13 @@ class ReadAheadRebalancer(RebalancingLoader):
             receivers = [q for q, c in enumerate(cells) if c == self.rank and q != self.rank]
             if receivers:
                 self._give(source, receivers, step)
-            source.fill(READ_AHEAD)  # a dataloader error raises here, after the gifts: no receiver waits
+            try:
+                if deferred is None:
+                    source.fill(READ_AHEAD)  # after the gifts: no receiver waits for a rank that raises here
+            except Exception as e:
+                if self.agreed:  # the agreement of this step tells every rank
+                    raise
+                deferred = e  # no rank may stop at this step: train it, raise at the next agreed one
             held_bytes = sum(_nbytes(b) for b in source.buffer)
             self.peak_held = max(self.peak_held, len(source.buffer))
             self.peak_held_bytes = max(self.peak_held_bytes, held_bytes)
@@ -260,7 +297,12 @@ class ReadAheadRebalancer(RebalancingLoader):
         return rows
 
     def _give(self, source: _Source, receivers: list[int], step: int) -> None:
-        """Send one batch to each receiver, in order: buffered ones first, then fresh ones."""
+        """Send one batch to each receiver, in order: buffered ones first, then fresh ones.
+
+        A receiver is sent "no batch" (it idles this step) if the dataloader ends first, or if the
+        batch cannot be sent: the donor then keeps it (it trains it later itself) and reports
+        ``unsendable``. If reading fails, the remaining receivers are sent a failure, then it raises.
+        """
         failure: Optional[BaseException] = None
         for q in receivers:
             batch = None
@@ -271,31 +313,26 @@ class ReadAheadRebalancer(RebalancingLoader):
                     batch = source.buffer.popleft() if source.buffer else None
                 except Exception as e:  # the receivers must hear of it, or they would wait forever
                     failure = e
-            if failure is None and (self._columns['unsendable'] or batch is None):
-                self._flag(_KEPT if self._columns['unsendable'] else _NOTHING, q)
+            if failure is not None:
+                self._transmit(_FAILED, q)
                 continue
-            if failure is None and _unsendable(batch):
-                source.buffer.appendleft(batch)  # trained here later; no more transfers in this fit
-                self._columns['unsendable'] = True
-                self._flag(_KEPT, q)
-                continue
-            self._flag(_BATCH, q)
-            refused = self._send(batch if failure is None else None, q, step)
-            failure = failure or refused
+            packed = None
+            if batch is not None and not self._columns['unsendable']:
+                try:
+                    packed = self._pack(batch)
+                except Exception:
+                    source.buffer.appendleft(batch)  # trained here later; no more transfers in this fit
+                    self._columns['unsendable'] = True
+            if packed is None:
+                self._transmit(_NONE, q)
+            else:
+                self._transmit(_OK, q, *packed)
         if failure is not None:
             raise failure
 
-    def _flag(self, flag: int, dst: int) -> None:
-        torch.distributed.send(self.to_device(torch.tensor([flag], dtype=torch.int64)), dst)
-        self.bytes_sent += 8
-
     def _receive_gift(self, src: int, step: int) -> Any:
-        flag = self.to_device(torch.zeros(1, dtype=torch.int64))
-        torch.distributed.recv(flag, src)
-        self.bytes_received += 8
-        if int(flag.item()) != _BATCH:
-            return IDLE
-        return self._receive(src, step)
+        batch = self._receive(src, step)
+        return IDLE if batch is None else batch
 
 
 class _Source:
@@ -312,21 +349,6 @@ class _Source:
                 self.buffer.append(next(self.iterator))
             except StopIteration:
                 self.drained = True
-
-
-def _unsendable(batch: Any) -> bool:
-    """True if ``batch`` cannot go through :meth:`RebalancingLoader._send` (checked before the first message)."""
-
-    def check(t: torch.Tensor) -> torch.Tensor:
-        if t.layout != torch.strided:
-            raise TypeError(f'a {t.layout} tensor cannot be sent')
-        return torch.empty(0, dtype=t.dtype)
-
-    try:
-        pickle.dumps(map_tensors(check, batch), pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        return True
-    return False
 
 
 def _nbytes(batch: Any) -> int:

@@ -92,7 +92,7 @@ def schedule(counts: list[int]) -> list[list[Cell]]:
     return steps
 
 
-_OK, _FAILED = 0, 1
+_OK, _FAILED, _NONE = 0, 1, 2  # a transfer's status: a batch follows; the sender failed; no batch (receiver idles)
 _ALIGN = 16  # bytes: every tensor's place in a transfer's payload is a multiple of this (complex128's size)
 
 
@@ -227,57 +227,77 @@ class RebalancingLoader:
     def _send(self, batch: Any, dst: int, step: int) -> Optional[Exception]:
         """Send ``batch`` to rank ``dst`` (``None``: a failure header); return why it could not be sent, if so.
 
-        Everything that can fail locally (pickling, copying to the device, viewing a tensor as bytes)
-        happens before the first message, so a receiver is never left waiting in the middle of a
-        batch. Tensors travel as raw bytes (one ``uint8`` payload for the whole batch, reinterpreted
-        on arrival): NCCL has no int16, uint16, uint32 or uint64, and bytes carry every dtype alike.
+        Everything that can fail locally (:meth:`_pack`) happens before the first message, so a
+        receiver is never left waiting in the middle of a batch; a batch that cannot be sent goes
+        out as a failure header, on which the receiver raises.
+        """
+        if batch is None:
+            self._transmit(_FAILED, dst)
+            return None
+        try:
+            packed = self._pack(batch)
+        except Exception as e:  # e.g. something in the batch that pickle refuses
+            self._transmit(_FAILED, dst)
+            return UnevenInputsError(
+                f'rank {self.rank} cannot send the batch rank {dst} is to train at step {step}: '
+                f"{type(e).__name__}: {e}. mode='rebalance' moves dense tensors and picklable objects only; "
+                f"use mode='shadow' for such batches.",
+            )
+        self._transmit(_OK, dst, *packed)
+        return None
+
+    def _pack(self, batch: Any) -> tuple[bytes, Optional[torch.Tensor]]:
+        """``batch`` as ``(header, payload)``, on the trainer's device; raises if it cannot be sent.
+
+        The header pickles the batch's structure, non-tensor content and tensor specs. Tensors
+        travel as raw bytes (one ``uint8`` payload for the whole batch, reinterpreted on arrival):
+        NCCL has no int16, uint16, uint32 or uint64, and bytes carry every dtype alike. Only dense
+        tensors and picklable objects can be sent.
         """
         payload: list[torch.Tensor] = []
         specs: list[tuple[tuple[int, ...], torch.dtype]] = []
-        status, header, refused = _FAILED, b'', None
-        if batch is not None:
 
-            def take(t: torch.Tensor) -> torch.Tensor:
-                if t.layout != torch.strided or t.is_quantized:
-                    raise TypeError(f'a {"quantized" if t.is_quantized else t.layout} tensor cannot be sent')
-                specs.append((tuple(t.shape), t.dtype))
-                if t.numel():  # an empty tensor is rebuilt from its shape alone
-                    raw = _as_bytes(self.to_device(t.detach()))
-                    payload.append(raw)
-                    if raw.numel() % _ALIGN:  # each tensor starts aligned, so it can be viewed in place on arrival
-                        payload.append(raw.new_zeros(_ALIGN - raw.numel() % _ALIGN))
-                return torch.empty(0, dtype=torch.uint8)  # a placeholder (torch cannot unpickle e.g. uint16 ones)
+        def take(t: torch.Tensor) -> torch.Tensor:
+            if t.layout != torch.strided or t.is_quantized:
+                raise TypeError(f'a {"quantized" if t.is_quantized else t.layout} tensor cannot be sent')
+            specs.append((tuple(t.shape), t.dtype))
+            if t.numel():  # an empty tensor is rebuilt from its shape alone
+                raw = _as_bytes(self.to_device(t.detach()))
+                payload.append(raw)
+                if raw.numel() % _ALIGN:  # each tensor starts aligned, so it can be viewed in place on arrival
+                    payload.append(raw.new_zeros(_ALIGN - raw.numel() % _ALIGN))
+            return torch.empty(0, dtype=torch.uint8)  # a placeholder (torch cannot unpickle e.g. uint16 ones)
 
-            try:
-                skeleton = map_tensors(take, batch)
-                header = pickle.dumps((skeleton, specs), pickle.HIGHEST_PROTOCOL)
-                data = torch.cat(payload) if len(payload) > 1 else payload[0] if payload else None
-                status = _OK
-            except Exception as e:  # e.g. something in the batch that pickle refuses
-                refused = UnevenInputsError(
-                    f'rank {self.rank} cannot send the batch rank {dst} is to train at step {step}: '
-                    f"{type(e).__name__}: {e}. mode='rebalance' moves dense tensors and picklable objects only; "
-                    f"use mode='shadow' for such batches.",
-                )
+        skeleton = map_tensors(take, batch)
+        header = pickle.dumps((skeleton, specs), pickle.HIGHEST_PROTOCOL)
+        return header, torch.cat(payload) if len(payload) > 1 else payload[0] if payload else None
+
+    def _transmit(self, status: int, dst: int, header: bytes = b'', data: Optional[torch.Tensor] = None) -> None:
+        """The messages of one transfer: ``[status, header length]``, then (``_OK``) the header and the payload."""
         prefix = torch.tensor([status, len(header)], dtype=torch.int64)
         torch.distributed.send(self.to_device(prefix), dst)
         self.bytes_sent += prefix.numel() * prefix.element_size()
         if status != _OK:
-            return refused
+            return
         torch.distributed.send(self.to_device(torch.frombuffer(bytearray(header), dtype=torch.uint8)), dst)
         self.bytes_sent += len(header)
         if data is not None:
             torch.distributed.send(data, dst)
             self.bytes_sent += data.numel()
-        return None
 
     def _receive(self, src: int, step: int) -> Any:
-        """Receive a batch from rank ``src``, straight into memory on the trainer's device."""
+        """Receive a batch from rank ``src``, straight into memory on the trainer's device.
+
+        ``None`` if ``src`` sent that there is no batch (only read-ahead rebalancing does: the
+        receiver idles this step); raises if ``src`` failed to read or send it.
+        """
         device = self._device()
         prefix = torch.zeros(2, dtype=torch.int64, device=device)
         torch.distributed.recv(prefix, src)
         status, size = (int(v) for v in prefix.cpu().tolist())
         self.bytes_received += prefix.numel() * prefix.element_size()
+        if status == _NONE:
+            return None
         if status != _OK:
             raise UnevenInputsError(
                 f'rank {src} could not read or send the batch that rank {self.rank} was to train at step {step} '

@@ -66,16 +66,19 @@ def make_loader(cfg: dict, rank: int) -> DataLoader:
 class Trained(Callback):
     """Per step on this rank: the ids it trains (None on a shadow step), the parameters after it, the lr."""
 
-    def __init__(self):
+    def __init__(self, join: Optional[UnevenJoin] = None):
         self.steps: list[dict[str, Any]] = []
         self.params: list[torch.Tensor] = []
+        self.join = join
 
     def batch_start(self, state, logger):
         shadow = is_shadow_step(state)
+        plan = self.join.plan if self.join is not None else None
         self.steps.append(
             {
                 'epoch': int(state.timestamp.epoch),
                 'batch': int(state.timestamp.batch),
+                'agreed': None if plan is None else plan.agreed,  # whether the ranks exchanged rows at this step
                 'ids': None
                 if shadow
                 else [int(i) for i in (state.batch['ids'] if isinstance(state.batch, dict) else state.batch[2])],
@@ -92,7 +95,7 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
     model = ToyModel('mlp')
     optimizer = make_optimizer(cfg, model.parameters())
     join = UnevenJoin(mode='rebalance', **cfg.get('join', {}))
-    trained, lines = Trained(), LogLines()
+    trained, lines = Trained(join), LogLines()
     logging.getLogger('composer_join').addHandler(lines)
     logging.getLogger('composer_join').setLevel(logging.INFO)
     loader = make_loader(cfg, rank)

@@ -45,6 +45,8 @@ SCENARIOS: dict[str, dict] = {
     'unsendable_falls_back': dict(shards=[40, 8], batch_size=8, epochs=1, fmt='local_dict'),
     'fails_mid_epoch': dict(shards=[40, 8], batch_size=8, epochs=1, fail_at={0: 36}),
     'fails_at_the_start': dict(shards=[40, 8], batch_size=8, epochs=1, fail_at={1: 3}),
+    # batch 4 is read at step 2, which needs no agreement (every buffer full): step 2 trains, step 3 stops all
+    'fails_on_a_step_nobody_agreed_on': dict(shards=[80, 80], batch_size=8, epochs=1, fail_at={0: 36}),
     # 3 ranks
     'three_mixed_empty': dict(shards=[40, 0, 13], batch_size=4, epochs=2, unsized=[0, 1]),
     # 4 ranks
@@ -143,6 +145,27 @@ def simulate(counts: list[int], sendable: bool = True) -> list[list[Cell]]:
         steps.append(row)
 
 
+def agreed_steps(counts: list[int], sendable: bool = True) -> list[bool]:
+    """Per step, whether the ranks must exchange rows, by the documented rule: not if every rank held 2 or more.
+
+    The levels a step is judged by are those of the previous step (the epoch's start for step 0) if
+    that step was agreed, else one less than the ones before it (what every rank is known to hold).
+    A rank's level after a step is its own batches not yet used (trained or given), at most 2.
+    """
+    steps = simulate(counts, sendable)
+    levels = [min(READ_AHEAD, n) for n in counts]  # at the epoch's start
+    out = []
+    for t in range(len(steps)):
+        agreed = min(levels) < 2
+        out.append(agreed)
+        if agreed:
+            used = [sum(c is not None and c[0] == r for row in steps[: t + 1] for c in row) for r in range(len(counts))]
+            levels = [min(READ_AHEAD, n - u) for n, u in zip(counts, used)]
+        else:
+            levels = [held - 1 for held in levels]
+    return out
+
+
 def counts_of(cfg: dict) -> list[int]:
     return [math.ceil(n / cfg['batch_size']) for n in cfg['shards']]
 
@@ -235,6 +258,18 @@ def test_rebalancing_keeps_every_rank_busy_with_a_bounded_read_ahead(runs):
         assert shadow < world * 3, name
 
 
+def test_steps_where_every_buffer_is_full_exchange_no_rows(runs):
+    for name in TRAINED:
+        cfg = SCENARIOS[name]
+        expected = agreed_steps(counts_of(cfg), sendable=cfg.get('fmt') != 'local_dict')
+        for res in ok(runs, name):
+            per_epoch = [[s['agreed'] for s in res['steps'] if s['epoch'] == e] for e in range(cfg['epochs'])]
+            for epoch, agreed in enumerate(per_epoch):
+                assert agreed == expected, f'{name}: epoch {epoch}'
+    assert agreed_steps([5, 5]) == [False, True, False, True, True] and all(agreed_steps([5, 1]))
+    assert sum(agreed_steps(counts_of(SCENARIOS['four_4_1']))) < len(agreed_steps(counts_of(SCENARIOS['four_4_1'])))
+
+
 def test_report_counts_own_received_given_and_shadow_steps(runs):
     for name in ('all_unsized_2_1', 'mixed_empty_mid_batch_adam', 'three_mixed_empty'):
         cfg = SCENARIOS[name]
@@ -259,6 +294,11 @@ def test_a_dataloader_raising_mid_epoch_stops_every_rank(runs):
     assert 'disk read error at sample 36' in failing.message
     assert isinstance(other, RankError) and other.type == 'UnevenInputsError'
     assert 'rank(s) [0] could not form batch 1' in other.message
+    failing, other = runs['fails_on_a_step_nobody_agreed_on']  # read at step 2: step 2 trains, step 3 stops all
+    assert isinstance(failing, RankError) and failing.type == 'RuntimeError'
+    assert 'disk read error at sample 36' in failing.message
+    assert isinstance(other, RankError) and other.type == 'UnevenInputsError'
+    assert 'rank(s) [0] could not form batch 3' in other.message
     other, failing = runs['fails_at_the_start']  # while filling the buffer, before the epoch's level exchange
     assert isinstance(failing, RankError) and failing.type == 'RuntimeError'
     assert 'disk read error at sample 3' in failing.message

@@ -2,7 +2,7 @@
 
 Run with the rest (``make bench`` = ``benchmarks/run.py``, which calls :func:`run`), or alone::
 
-    .venv/bin/python benchmarks/rebalance.py            # full: 2, 3 and 4 ranks, ~4 min on 2 quiet cores
+    .venv/bin/python benchmarks/rebalance.py            # full: 2, 3 and 4 ranks, ~8 min on 2 quiet cores
     .venv/bin/python benchmarks/rebalance.py --quick    # smoke run: 2 ranks, tiny shards (~30 s)
 
 Options: ``--out DIR`` (default: benchmarks/, or a temporary directory with ``--quick``), where
@@ -63,7 +63,9 @@ class Setup:
     timeout: float = 300
 
 
-FULL = (Setup(2, 24, reps=3, timeout=900), Setup(3, 24, reps=3, timeout=900), Setup(4, 16, reps=3, timeout=900))
+# 24-48 steps per fit: shorter fits are dominated by noise (a few ms per step on 2 shared cores) and by
+# the per-fit set-up; 5 repetitions, methods in alternating order.
+FULL = (Setup(2, 48, reps=5, timeout=1500), Setup(3, 48, reps=5, timeout=1500), Setup(4, 32, reps=5, timeout=1500))
 QUICK = (Setup(2, 6, reps=1, cases=('4:1', 'one empty'), timeout=150),)
 
 
@@ -125,6 +127,20 @@ class PeakRSS:
         return self.peak - self.start
 
 
+def agreement_counter(join: Any) -> Any:
+    """A callback counting the steps at which ``join``'s ranks exchanged an agreement (none for stock Composer)."""
+    from composer import Callback
+
+    class _Agreed(Callback):
+        count = 0
+
+        def batch_start(self, state, logger):
+            plan = join.plan if join is not None else None
+            self.count += int(plan is not None and plan.agreed)
+
+    return _Agreed()
+
+
 def fit(batches: list[int], mode: Optional[str]) -> dict[str, Any]:
     """One epoch on this rank's shard of ``batches[rank]`` batches; ``mode=None``: stock Composer.
 
@@ -144,6 +160,7 @@ def fit(batches: list[int], mode: Optional[str]) -> dict[str, Any]:
     mode = mode[: -len('_nolen')] if nolen else mode
     join = UnevenJoin(mode=mode) if mode is not None else None
     timer = workloads.StepTimer()
+    agreed = agreement_counter(join)
     data = workloads.shard(rank, sizes)
     trainer = Trainer(
         model=model,
@@ -151,7 +168,7 @@ def fit(batches: list[int], mode: Optional[str]) -> dict[str, Any]:
         max_duration=f'{sum(sizes)}sp' if nolen else '1ep',
         optimizers=torch.optim.SGD(model.parameters(), lr=workloads.LR, momentum=0.9),
         algorithms=[join] if join is not None else [],
-        callbacks=[timer],
+        callbacks=[timer, agreed],
         loggers=[],
         device=workloads.DEVICE,
         progress_bar=False,
@@ -176,6 +193,7 @@ def fit(batches: list[int], mode: Optional[str]) -> dict[str, Any]:
         'rss_growth': rss.growth,
         'peak_held': getattr(source, 'peak_held', 0),
         'peak_held_bytes': getattr(source, 'peak_held_bytes', 0),
+        'agreed_steps': agreed.count,
     }
     trainer.close()
     return result
@@ -233,6 +251,7 @@ def analyse(res: dict, s: Setup) -> list[dict[str, Any]]:
                     ),
                     'peak_held': max(r['peak_held'] for r in last),
                     'peak_held_bytes': max(r['peak_held_bytes'] for r in last),
+                    'agreed_steps': last[0]['agreed_steps'],
                 }
             )
     return rows
@@ -247,13 +266,14 @@ def markdown(rows: list[dict], info: dict) -> str:
         "`ceil(total / W)` batches per rank. *shadow*: `UnevenJoin()`; *rebalance*: `UnevenJoin(mode='rebalance')`; "
         '*no len*: the same shards as iterables without `len()` (rebalance: read-ahead rebalancing). '
         'Wall time: `fit`, max over ranks, median over repetitions; range over repetitions in brackets. '
-        'Extra per step: `(wall(no len) - wall(len)) / steps` of rebalancing. Bytes moved: per epoch, batches '
+        'Extra per step: `(wall(no len) - wall(len)) / steps` of rebalancing. Agreed steps: steps at which the '
+        'ranks exchanged an agreement all-reduce. Bytes moved: per epoch, batches '
         'plus headers. RSS: peak growth of the resident set during the fit, max over ranks. '
         f'Goals: rebalance / ideal <= {GOAL:.2f}, without len() <= {GOAL_NOLEN:.2f}.\n',
         '| ranks | case (batches per rank) | ideal s | shadow / ideal | rebalance / ideal | shadow, no len / ideal | '
         '**rebalance, no len / ideal** | goal met | steps: shadow, rebalance, no len | extra ms per step, no len | '
-        'bytes moved: len, no len | RSS growth MB: stock, no len | read-ahead peak |',
-        '|---|---|---|---|---|---|---|---|---|---|---|---|---|',
+        'agreed steps: len, no len | bytes moved: len, no len | RSS growth MB: stock, no len | read-ahead peak |',
+        '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|',
     ]
     for world in sorted({r['world'] for r in rows}):
         for case in dict.fromkeys(r['case'] for r in rows if r['world'] == world):
@@ -265,7 +285,8 @@ def markdown(rows: list[dict], info: dict) -> str:
                 f'{sh["ratio"]:.3f} | {rb["ratio"]:.3f} | {shn["ratio"]:.3f} | '
                 f'**{rbn["ratio"]:.3f}** ({rbn["range"][0]:.2f}-{rbn["range"][1]:.2f}) | '
                 f'{"yes" if rbn["ratio"] <= GOAL_NOLEN else "**no**"} | {sh["steps"]}, {rb["steps"]}, {rbn["steps"]} | '
-                f'{extra:+.1f} | {rb["bytes"] / 1e6:.2f}, {rbn["bytes"] / 1e6:.2f} MB | '
+                f'{extra:+.1f} | {rb["agreed_steps"]}, {rbn["agreed_steps"]} | '
+                f'{rb["bytes"] / 1e6:.2f}, {rbn["bytes"] / 1e6:.2f} MB | '
                 f'{i["rss"] / 1e6:.1f}, {rbn["rss"] / 1e6:.1f} | {rbn["peak_held"]} ({rbn["peak_held_bytes"] / 1e6:.2f} MB) |'
             )
     if info.get('latency'):

@@ -7,7 +7,7 @@ event                     what happens
 ========================  ======================================================================
 ``FIT_START``             agree on the epoch length (longest rank's), wrap the train dataloader
                           in a :class:`~composer_join.loader.JoinLoader` (``mode='rebalance'``:
-                          over a :class:`~composer_join.rebalance.RebalancingLoader`), pick the
+                          over a :class:`~composer_join.rebalance.Rebalancer`), pick the
                           wrapper's part once (:mod:`composer_join.wrappers`: DDP, FSDP1/2 or none)
 ``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
 ``AFTER_DATALOADER``      only where other algorithms run at it: shadow step: the template for them,
@@ -64,7 +64,7 @@ from composer_join.metrics import MetricStates, shadow_update
 from composer_join.oom import EvalRetry
 from composer_join.plan import StepPlan, agree_on_length
 from composer_join.predict import PREDICT_EVENTS, empty_outputs
-from composer_join.rebalance import RebalancingLoader
+from composer_join.rebalance import Rebalancer
 from composer_join.refusals import refuse_incompatible
 from composer_join.replan import replan
 from composer_join.report import EpochReport
@@ -376,11 +376,7 @@ class UnevenJoin(Algorithm):
                 dataset,
                 loader.own_samples,
                 loader.own_shard_samples,
-                lambda: (
-                    loader.dataloader.sent_bytes(loader.steps)
-                    if isinstance(loader.dataloader, RebalancingLoader)
-                    else 0
-                ),
+                lambda: loader.dataloader.sent_bytes(loader.steps) if isinstance(loader.dataloader, Rebalancer) else 0,
             )
             if self._resumed_ranks is not None and state.dataset_resumption.get('train'):
                 resume_counts(
@@ -506,7 +502,7 @@ class UnevenJoin(Algorithm):
     def _epoch_end(self, logger: Logger) -> None:
         self._train_loader.check_ended_together()
         report = self._train_loader.report
-        if isinstance(self._train_loader.dataloader, RebalancingLoader):
+        if isinstance(self._train_loader.dataloader, Rebalancer):
             self._train_loader.dataloader.complete(report)
         self.reports.append(report)
         logger.log_metrics(report.metrics())  # type: ignore[arg-type]  # ints are floats to a logger

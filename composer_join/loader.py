@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from composer.core import DataSpec, State
@@ -55,7 +55,7 @@ from composer_join.plan import (
     steps_planned_from_lengths,
 )
 from composer_join.readahead import IDLE, ReadAheadRebalancer, rebalanced_without_len
-from composer_join.rebalance import RebalancingLoader, rebalanced
+from composer_join.rebalance import Rebalancer, rebalanced
 from composer_join.report import EpochReport
 from composer_join.structure import describe as describe_structure
 from composer_join.structure import fingerprint
@@ -152,7 +152,7 @@ class JoinLoader:
 
     def own_shard_samples(self) -> int:
         """Samples of this rank's own dataloader used in the current epoch so far: trained here, or (rebalance) given away."""
-        if isinstance(self.dataloader, RebalancingLoader):
+        if isinstance(self.dataloader, Rebalancer):
             return self.dataloader.consumed_samples(self.steps)
         return self.trained
 
@@ -189,7 +189,7 @@ class JoinLoader:
         if self.position is not None:
             epoch, first, skipped = self.position()
             self.set_epoch(epoch)
-        if isinstance(self.dataloader, RebalancingLoader):
+        if isinstance(self.dataloader, Rebalancer):
             self.dataloader.start = first  # the dataset resumed itself at step `first` (else 0)
         batches = iter(self.dataloader)
         if first + skipped == 0 or self.report.epoch != self.epoch:  # else: resuming the report's epoch
@@ -401,16 +401,19 @@ def join_dataloader(
     with the template it holds. ``throw`` is ``throw_on_early_termination``. Microbatch counts are
     predicted with ``microbatch_size`` (an evaluator's, or a callable giving the size in force), by default
     the train microbatch size in force.
-    ``rebalance``: put a :class:`~composer_join.rebalance.RebalancingLoader` between the two
-    (``mode='rebalance'``). ``settings``: UnevenJoin's (:func:`composer_join.settings.row`), checked
-    to be the same on every rank in the same collective.
+    ``rebalance``: put a :class:`~composer_join.rebalance.Rebalancer` between the two
+    (``mode='rebalance'``: a :class:`~composer_join.rebalance.RebalancingLoader`, or, if some rank's
+    dataloader has no ``len()``, a :class:`~composer_join.readahead.ReadAheadRebalancer`).
+    ``settings``: UnevenJoin's (:func:`composer_join.settings.row`), checked to be the same on every
+    rank in the same collective.
     """
     dataloader = state.dataloader
     current = None if state.dataloader_len is None else int(state.dataloader_len)
     if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer
         dataloader = dataloader.dataloader
-    if isinstance(dataloader, RebalancingLoader):
-        dataloader, current = dataloader.dataloader, dataloader.counts[dataloader.rank]  # type: ignore[attr-defined]
+    if isinstance(dataloader, Rebalancer):  # a second fit() with mode='rebalance'
+        current = dataloader.counts[dataloader.rank]
+        dataloader = dataloader.dataloader
     own_len = len_or_none(dataloader)
     if rebalance and own_len is not None and current is not None:
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
@@ -422,7 +425,7 @@ def join_dataloader(
         )
     elif rebalance:  # the lengths are then each rank's assigned batches, own and received
         dataloader, shared, check_overflow, lengths = rebalanced(
-            dataloader, own_lens, shared, check_overflow, state.device.tensor_to_device
+            dataloader, cast(list[int], own_lens), shared, check_overflow, state.device.tensor_to_device
         )
     if microbatch_size is None:
         size = lambda: state.device_train_microbatch_size  # noqa: E731 (read when used: auto microbatching)
@@ -443,7 +446,7 @@ def join_dataloader(
             lengths=lengths,
         )
     loader.microbatch_size = size
-    if isinstance(loader.dataloader, RebalancingLoader):
+    if isinstance(loader.dataloader, Rebalancer):
         loader.dataloader.count = lambda batch: loader.describe(batch)[0]
     label = state.dataloader_label
     state.set_dataloader(loader, label, -1 if shared is None else shared)
@@ -478,7 +481,7 @@ def _has_more(batches: Iterator[Any]) -> bool:
 
 
 def _distributed_sampler(dataloader: Any) -> Optional[DistributedSampler]:
-    if isinstance(dataloader, RebalancingLoader):
+    if isinstance(dataloader, Rebalancer):
         dataloader = dataloader.dataloader
     if not isinstance(dataloader, DataLoader):
         return None

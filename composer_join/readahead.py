@@ -36,8 +36,8 @@ dataloader has ended) in step ``t``'s row. ``held < 2`` only once ``drained``.
    A read error on such a step is raised at the next agreed step, so no rank stops alone.
 
 So every batch of every rank is trained exactly once, by one rank; a rank that trains a received
-batch counts in ``A_t`` like one that trains its own. Transfers are point to point (the batch
-protocol of :class:`~composer_join.rebalance.RebalancingLoader`, whose first message also says
+batch counts in ``A_t`` like one that trains its own. Transfers are point to point (a
+:class:`~composer_join.transfer.BatchChannel`, as the sized scheme's, whose first message also says
 when no batch follows), inside the ``next()`` the JoinLoader calls once per step on every rank.
 A donor only sends, a receiver only receives, each from one donor: no cycle, no deadlock.
 
@@ -64,7 +64,7 @@ from composer.utils import dist
 from composer_join.batches import map_tensors
 from composer_join.errors import UnevenInputsError
 from composer_join.plan import StepPlan
-from composer_join.rebalance import _FAILED, _NONE, _OK, RebalancingLoader
+from composer_join.rebalance import Rebalancer
 
 __all__ = ['IDLE', 'READ_AHEAD', 'ReadAheadRebalancer', 'agreement_needed', 'assign', 'rebalanced_without_len']
 
@@ -131,7 +131,7 @@ def agreement_needed(rows: Sequence[tuple[int, bool]]) -> bool:
     return min((held for held, _ in rows), default=0) < 2
 
 
-class ReadAheadRebalancer(RebalancingLoader):
+class ReadAheadRebalancer(Rebalancer):
     """This rank's batches under :func:`assign`: its own, minus those it gives, plus those it receives.
 
     Sits beneath the :class:`~composer_join.loader.JoinLoader`, which calls :meth:`status_columns`
@@ -155,13 +155,8 @@ class ReadAheadRebalancer(RebalancingLoader):
         world_counts: Sequence[Optional[int]],
         to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     ):
-        # Not RebalancingLoader.__init__: there is no schedule to compute. The transfer methods
-        # (_send, _receive) and complete() use only the attributes set here.
-        self.dataloader = dataloader
-        self.counts = list(world_counts)  # type: ignore[arg-type]  # None: a rank without len()
-        self.rank, self.world = dist.get_global_rank(), dist.get_world_size()
-        self.to_device = to_device
-        self.bytes_sent = self.bytes_received = 0
+        super().__init__(dataloader, world_counts, to_device)  # type: ignore[arg-type]  # None: a rank without len()
+        self.world = dist.get_world_size()
         self.transfers = True  # False once some rank reported an unsendable batch (for the rest of the fit)
         self.peak_held = self.peak_held_bytes = 0
         self.assignments: list[Optional[list[Optional[int]]]] = []  # this epoch, per step, as this rank computed it
@@ -176,7 +171,7 @@ class ReadAheadRebalancer(RebalancingLoader):
         raise TypeError('with rebalancing without len(), the number of batches a rank trains is not known ahead')
 
     @property
-    def length(self) -> Optional[int]:  # type: ignore[override]  # not known ahead
+    def length(self) -> Optional[int]:  # not known ahead
         return None
 
     def _zero_counts(self) -> dict[str, list[int]]:
@@ -314,24 +309,24 @@ class ReadAheadRebalancer(RebalancingLoader):
                 except Exception as e:  # the receivers must hear of it, or they would wait forever
                     failure = e
             if failure is not None:
-                self._transmit(_FAILED, q)
+                self.channel.send(None, q, step)  # a failure: q raises
                 continue
             packed = None
             if batch is not None and not self._columns['unsendable']:
                 try:
-                    packed = self._pack(batch)
+                    packed = self.channel.pack(batch)
                 except Exception:
                     source.buffer.appendleft(batch)  # trained here later; no more transfers in this fit
                     self._columns['unsendable'] = True
             if packed is None:
-                self._transmit(_NONE, q)
+                self.channel.send_nothing(q)
             else:
-                self._transmit(_OK, q, *packed)
+                self.channel.send_packed(packed, q)
         if failure is not None:
             raise failure
 
     def _receive_gift(self, src: int, step: int) -> Any:
-        batch = self._receive(src, step)
+        batch = self.channel.receive(src, step)
         return IDLE if batch is None else batch
 
 

@@ -52,6 +52,7 @@ from composer.core import State
 from composer.utils import dist
 
 from composer_join.errors import UnevenInputsError
+from composer_join.rebalance import Rebalancer
 from composer_join.report import EpochReport
 
 __all__ = ['RankDatasets', 'own_sample_counts', 'restore', 'resume_counts', 'snapshot', 'train_position']
@@ -163,7 +164,7 @@ def resume_counts(loader: Any, own: dict[str, Any], saved: list[dict[str, Any]],
     if not mid_epoch:
         return
     loader.resumed_samples = own['trained']
-    if hasattr(loader.dataloader, 'resumed_samples'):  # a RebalancingLoader: its shard's samples, given ones too
+    if isinstance(loader.dataloader, Rebalancer):  # mode='rebalance': its shard's samples, given ones too
         loader.dataloader.resumed_samples, loader.dataloader.resumed_bytes = own['used'], own.get('sent', 0)
     loader.report.real_samples = [int(entry['trained']) for entry in saved]
 

@@ -1,8 +1,9 @@
 """Rebalancing transfers of every torch dtype, point to point between real ranks. Not a test module.
 
 The donor (rank 0) holds two batches and the receiver (rank 1) none, so the schedule hands rank 1
-rank 0's second batch (:class:`composer_join.rebalance.RebalancingLoader`). Tensors travel on the
-test device (``tests/devices.py``: CUDA tensors over NCCL in ``make test-gpu``).
+rank 0's second batch (:class:`composer_join.rebalance.RebalancingLoader`, through its
+:class:`composer_join.transfer.BatchChannel`). Tensors travel on the test device
+(``tests/devices.py``: CUDA tensors over NCCL in ``make test-gpu``).
 """
 
 from __future__ import annotations

@@ -177,6 +177,26 @@ class ReadAheadRebalancer(Rebalancer):
     def _zero_counts(self) -> dict[str, list[int]]:
         return {k: [0] * self.world for k in ('own_batches', 'received_batches', 'given_batches')}
 
+    def consumed_samples(self, steps: int) -> int:
+        """Not known here: raises :class:`~composer_join.UnevenInputsError` (on every rank: each saves the same checkpoint).
+
+        A train dataset that resumes itself (``state_dict``/``load_state_dict``) would be handed, at a
+        mid-epoch checkpoint, the samples of its shard used so far; resuming it there would also
+        need the read-ahead buffers' levels, which no checkpoint holds. Checkpoints at an epoch's
+        end do not ask.
+        """
+        raise UnevenInputsError(
+            "UnevenJoin(mode='rebalance') without len() cannot save a mid-epoch checkpoint of a train dataset that "
+            'resumes itself (it has state_dict and load_state_dict): its position depends on read-ahead buffers a '
+            "checkpoint does not hold. Save checkpoints at epoch ends only, give every rank's dataloader a len() "
+            '(then the sized scheme resumes it exactly), use a dataset without state_dict (Composer then spins the '
+            "dataloader to the step, which this mode resumes exactly), or use mode='shadow'."
+        )
+
+    def sent_bytes(self, steps: int) -> int:
+        """Not known here: raises, as :meth:`consumed_samples` (asked at the same checkpoints)."""
+        return self.consumed_samples(steps)
+
     def counts_per_rank(self) -> dict[str, list[int]]:
         """Per rank: batches trained from its own shard, received, given away (this epoch, from the agreements)."""
         return {k: list(v) for k, v in self._counts.items()}

@@ -110,13 +110,6 @@ class Rebalancer(abc.ABC):
             counts a batch's samples (set by :func:`~composer_join.loader.join_dataloader`).
     """
 
-    # step -> samples of own batches read for it (trained or given); step -> bytes sent for it. Kept
-    # by RebalancingLoader's iteration only: ReadAheadRebalancer has no such record (a dataset that
-    # resumes itself is not supported without len()), so consumed_samples() and sent_bytes() raise
-    # AttributeError on it, as they did when it subclassed RebalancingLoader.
-    _read_samples: dict[int, int]
-    _sent: dict[int, int]
-
     def __init__(
         self,
         dataloader: Iterable,
@@ -158,15 +151,16 @@ class Rebalancer(abc.ABC):
     def counts_per_rank(self) -> dict[str, list[int]]:
         """Per rank: batches trained from its own shard, received, given away, this epoch."""
 
+    @abc.abstractmethod
     def sent_bytes(self, steps: int) -> int:
-        """Bytes this rank sent for the first ``steps`` steps of the epoch (batches are sent a step ahead)."""
-        return (self.resumed_bytes if self.start else 0) + sum(n for s, n in self._sent.items() if s < steps)
+        """Bytes this rank sent for the first ``steps`` steps of the epoch (for a dataset that resumes itself)."""
 
+    @abc.abstractmethod
     def consumed_samples(self, steps: int) -> int:
-        """Samples of this rank's own dataloader used by the first ``steps`` steps of the epoch (-1: uncountable)."""
-        read = [n for s, n in self._read_samples.items() if s < steps]
-        base = self.resumed_samples if self.start else 0
-        return -1 if min([base, *read]) < 0 else base + sum(read)
+        """Samples of this rank's own dataloader used by the first ``steps`` steps of the epoch (-1: uncountable).
+
+        What a dataset that resumes itself is handed at a mid-epoch checkpoint.
+        """
 
     def complete(self, report: EpochReport) -> None:
         """Fill the rebalancing fields of this epoch's ``report``, the same on every rank.
@@ -210,8 +204,18 @@ class RebalancingLoader(Rebalancer):
         self.check_overflow = own_len == self.counts[self.rank]
         self.assigned = [sum(1 for row in self.steps if row[r] is not None) for r in range(len(self.counts))]
         """Every rank's batches per epoch under the schedule, own and received."""
-        self._read_samples = {}
-        self._sent = {}
+        self._read_samples: dict[int, int] = {}  # step -> samples of own batches read for it (trained or given)
+        self._sent: dict[int, int] = {}  # step -> bytes sent for it
+
+    def sent_bytes(self, steps: int) -> int:
+        """Bytes this rank sent for the first ``steps`` steps of the epoch (batches are sent a step ahead)."""
+        return (self.resumed_bytes if self.start else 0) + sum(n for s, n in self._sent.items() if s < steps)
+
+    def consumed_samples(self, steps: int) -> int:
+        """Samples of this rank's own dataloader used by the first ``steps`` steps of the epoch (-1: uncountable)."""
+        read = [n for s, n in self._read_samples.items() if s < steps]
+        base = self.resumed_samples if self.start else 0
+        return -1 if min([base, *read]) < 0 else base + sum(read)
 
     def __len__(self) -> int:
         return self.assigned[self.rank]

@@ -38,6 +38,16 @@ class IdShard(IterableDataset):
             yield sample
 
 
+class ResumingIdShard(IdShard):
+    """An unsized shard that resumes itself (Composer's ``dataset.state_dict`` protocol)."""
+
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict:
+        return {'sample_in_epoch': num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
 class SizedIdShard(IdShard):
     def __len__(self) -> int:
         return len(self.ids)
@@ -46,6 +56,7 @@ class SizedIdShard(IdShard):
 def make_loader(cfg: dict, rank: int) -> DataLoader:
     unsized = cfg.get('unsized', 'all')
     cls = IdShard if unsized == 'all' or rank in unsized else SizedIdShard
+    cls = ResumingIdShard if cfg.get('resumes_itself') else cls
     dataset = cls(rank, cfg['shards'][rank], cfg.get('fail_at', {}).get(rank))
     if cfg.get('fmt') == 'local_dict':  # batches that pickle refuses (a class it cannot import), deepcopy does not
 
@@ -131,6 +142,11 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
 
 def train(cfg: dict) -> dict[str, Any]:
     return fit(cfg)
+
+
+def train_saving(cfg: dict, folder: str) -> dict[str, Any]:
+    """A fit that saves a checkpoint after every batch."""
+    return fit(cfg, save_folder=folder, save_interval='1ba')
 
 
 def resume(cfg: dict, folder: str) -> dict[str, Any]:

@@ -58,6 +58,7 @@ SCENARIOS: dict[str, dict] = {
 TRAINED = [n for n in SCENARIOS if not n.startswith('fails_')]
 TEXT_OVERRIDES = ['data.pydoc_text.fraction=0.1', 'algorithms.uneven_join.mode=rebalance']
 RESUME = dict(shards=[56, 16], batch_size=8, epochs=2, resume_at=[3, 8])  # steps 2-4 and 7-9 are the tails
+RESUMES_ITSELF = dict(shards=[40, 16], batch_size=8, epochs=1, resumes_itself=True)  # a dataset with state_dict
 
 
 @pytest.fixture(scope='module')
@@ -78,6 +79,13 @@ def runs(tmp_path_factory) -> dict:
                 )
             )
             calls.append(('text', 'scenarios_readahead:text_token_budget', {'overrides': TEXT_OVERRIDES}))
+            calls.append(
+                (
+                    'resumes_itself',
+                    'scenarios_readahead:train_saving',
+                    {'cfg': RESUMES_ITSELF, 'folder': str(tmp_path_factory.mktemp('resumes_itself'))},
+                )
+            )
         results.update(launch(world, calls, timeout=420))
     return results
 
@@ -304,6 +312,13 @@ def test_a_dataloader_raising_mid_epoch_stops_every_rank(runs):
     assert 'disk read error at sample 3' in failing.message
     assert isinstance(other, RankError) and other.type == 'UnevenInputsError'
     assert 'rank(s) [1] could not read the first batches of the epoch' in other.message
+
+
+def test_a_mid_epoch_checkpoint_of_a_dataset_that_resumes_itself_stops_every_rank_clearly(runs):
+    for res in runs['resumes_itself']:
+        assert isinstance(res, RankError) and res.type == 'UnevenInputsError', res
+        assert 'cannot save a mid-epoch checkpoint of a train dataset that resumes itself' in res.message
+        assert "mode='shadow'" in res.message
 
 
 @pytest.mark.parametrize('at', RESUME['resume_at'])

@@ -2,7 +2,7 @@
 
 Run with the rest (``make bench`` = ``benchmarks/run.py``, which calls :func:`run`), or alone::
 
-    .venv/bin/python benchmarks/rebalance.py            # full: 2, 3 and 4 ranks, ~8 min on 2 quiet cores
+    .venv/bin/python benchmarks/rebalance.py            # full: 2, 3 and 4 ranks, ~10 min on 2 quiet cores
     .venv/bin/python benchmarks/rebalance.py --quick    # smoke run: 2 ranks, tiny shards (~30 s)
 
 Options: ``--out DIR`` (default: benchmarks/, or a temporary directory with ``--quick``), where
@@ -63,9 +63,9 @@ class Setup:
     timeout: float = 300
 
 
-# 24-48 steps per fit: shorter fits are dominated by noise (a few ms per step on 2 shared cores) and by
-# the per-fit set-up; 5 repetitions, methods in alternating order.
-FULL = (Setup(2, 48, reps=5, timeout=1500), Setup(3, 48, reps=5, timeout=1500), Setup(4, 32, reps=5, timeout=1500))
+# 21-36 steps per fit (rank 0 has 48 batches): shorter fits are dominated by noise (a few ms per step
+# on 2 shared cores) and by the per-fit set-up; 7 repetitions, methods in alternating order.
+FULL = (Setup(2, 48, reps=7, timeout=1500), Setup(3, 48, reps=7, timeout=1500), Setup(4, 48, reps=7, timeout=1800))
 QUICK = (Setup(2, 6, reps=1, cases=('4:1', 'one empty'), timeout=150),)
 
 

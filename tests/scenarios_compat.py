@@ -7,10 +7,12 @@ Each function runs on every rank of a :func:`harness.launch` and returns plain d
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from composer import Callback
 from composer import algorithms as algos
+from composer.core import DataSpec
 from composer.loss import soft_cross_entropy
 from composer.models import ComposerModel, HuggingFaceModel
 from composer.utils import dist
@@ -20,7 +22,7 @@ from composer_join import UnevenInputsError, UnevenJoin
 from rank_scenarios import quiet_trainer
 from scenarios_fsdp import cpu_fsdp_workarounds, parallelism
 
-CLASSES, SIDE = 2, 16
+CLASSES, SIDE, BATCH = 2, 16, 4
 
 
 class ConvNet(ComposerModel):
@@ -49,21 +51,76 @@ class ConvNet(ComposerModel):
         return soft_cross_entropy(outputs, batch[1], *args, **kwargs)
 
 
-class Images(IterableDataset):
-    """This rank's random images and labels, streamed in order, with ``__len__``; records what was read."""
+class UnsizedImages(IterableDataset):
+    """This rank's random images and labels, streamed in order, without ``__len__``; records what was read."""
 
     def __init__(self, seed: int, n: int, read: list[int]):
         g = torch.Generator().manual_seed(seed)
         self.x, self.y = torch.randn(n, 3, SIDE, SIDE, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
         self.read = read
 
-    def __len__(self) -> int:
-        return len(self.y)
-
     def __iter__(self):
         for i in range(len(self.y)):
             self.read.append(i)
             yield self.x[i], self.y[i]
+
+
+class Images(UnsizedImages):
+    """:class:`UnsizedImages` with ``__len__``."""
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+def shard_images(rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s images and labels when its shard has ``n`` samples (any rank can make any rank's)."""
+    images = Images(700 + rank, n, [])
+    return images.x, images.y
+
+
+class Laid(IterableDataset):
+    """Given batches of given ranks' shards, in order, already batched (``DataLoader(batch_size=None)``).
+
+    ``cells``: ``(owner, index)`` per step: batch ``index`` (of ``BATCH``) of rank ``owner``'s shard of
+    ``shards[owner]`` samples. Stock Composer trains on it what a rebalanced rank trains.
+    """
+
+    def __init__(self, cells: list[tuple[int, int]], shards: list[int]):
+        self.cells, self.shards = cells, shards
+
+    def __len__(self) -> int:
+        return len(self.cells)
+
+    def __iter__(self):
+        for owner, i in self.cells:
+            x, y = shard_images(owner, self.shards[owner])
+            yield x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]
+
+
+class Trained(Callback):
+    """Per epoch, per step: the ids (``owner * 1000 + index``) of the samples this rank trains; None if none.
+
+    Used as the train ``DataSpec``'s ``batch_transforms`` (an identity), which Composer applies to
+    each batch before ``AFTER_DATALOADER``, so before any algorithm mixes or selects its samples.
+    """
+
+    def __init__(self, shards: list[int]):
+        self.ids = {
+            _key(x): owner * 1000 + i for owner, n in enumerate(shards) for i, x in enumerate(shard_images(owner, n)[0])
+        }
+        self.epochs: list[list[Optional[list[int]]]] = []
+
+    def epoch_start(self, state, logger):
+        self.epochs.append([])
+
+    def __call__(self, batch):
+        x = batch[0]
+        self.epochs[-1].append([self.ids[_key(v)] for v in x.cpu()] if len(x) else None)
+        return batch
+
+
+def _key(image: torch.Tensor) -> tuple[float, ...]:
+    return tuple(image.flatten()[:4].tolist())
 
 
 VISION = {  # Composer's settings where they fit a 16x16 conv net (Factorize and SqueezeExcite need small thresholds)
@@ -145,7 +202,10 @@ class Sentences(IterableDataset):
 def algorithm_train(cfg: dict) -> dict[str, Any]:
     """One ``fit`` with ``cfg['algorithm']`` and UnevenJoin listed before it (``join='first'``), after it
     (``'after'``) or not at all (``None``); shards ``cfg['shards']``, batch 4; optionally microbatches
-    (``microbatch``, ``sync``) and FSDP (``wrapper``: ``'fsdp2'``)."""
+    (``microbatch``, ``sync``), FSDP (``wrapper``: ``'fsdp2'``), UnevenJoin's ``mode``, shards without
+    ``len()`` (``unsized``), or (stock Composer) each rank's batches given as ``(owner, index)`` cells
+    (``layout``, see :class:`Laid`). With ``mode='rebalance'`` or a ``layout``, ``trained`` holds the
+    ids of the samples each step trains (:class:`Trained`)."""
     rank = dist.get_global_rank()
     if cfg.get('wrapper'):
         cpu_fsdp_workarounds()
@@ -153,17 +213,26 @@ def algorithm_train(cfg: dict) -> dict[str, Any]:
     nlp = name in NLP
     read: list[int] = []
     model = tiny_bert() if nlp else ConvNet()
-    dataset = (Sentences if nlp else Images)(700 + rank, cfg['shards'][rank], read)
+    shards, epochs = cfg['shards'], cfg['epochs']
+    if cfg.get('layout'):
+        loader: Any = DataLoader(Laid(cfg['layout'][rank], shards), batch_size=None)
+    else:
+        images = UnsizedImages if cfg.get('unsized') else Images
+        loader = DataLoader((Sentences if nlp else images)(700 + rank, shards[rank], read), batch_size=BATCH)
+    trained = Trained(shards) if cfg.get('mode') == 'rebalance' or cfg.get('layout') else None
     algorithm = (NLP if nlp else VISION)[name]()
-    join = UnevenJoin()
+    join = UnevenJoin(mode=cfg.get('mode', 'shadow'))
     listed = {'first': [join, algorithm], 'after': [algorithm, join], None: [algorithm]}[cfg['join']]
     trainer = quiet_trainer(
         model=model,
-        train_dataloader=DataLoader(dataset, batch_size=4),
-        max_duration=f'{cfg["epochs"]}ep',
+        train_dataloader=loader if trained is None else DataSpec(loader, batch_transforms=trained),
+        # without len(), Composer takes no duration in epochs
+        max_duration=f'{sum(shards) * epochs}sp' if cfg.get('unsized') else f'{epochs}ep',
         optimizers=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
         algorithms=listed,
-        device_train_microbatch_size=cfg.get('microbatch'),
+        callbacks=[trained] if trained is not None else [],
+        # Composer takes the default (the whole batch) from the DataLoader's batch_size, which Laid's has not
+        device_train_microbatch_size=cfg.get('microbatch', BATCH if cfg.get('layout') else None),
         ddp_sync_strategy=cfg.get('sync'),
         parallelism_config=parallelism(cfg.get('wrapper'), cfg),
     )
@@ -182,6 +251,8 @@ def algorithm_train(cfg: dict) -> dict[str, Any]:
         'batch': int(ts.batch),
         'read': read,
         'real_samples': [list(r.real_samples) for r in join.reports] if cfg['join'] else [],
+        'trained': trained.epochs if trained is not None else [],
+        'sharded': any(hasattr(p, 'full_tensor') for p in trainer.state.model.parameters()),  # FSDP2's DTensors
     }
 
 

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.nn.parallel import DistributedDataParallel
 
 import devices
+import scenarios_readahead
 from composer_join import UnevenJoin, is_shadow_step
 from composer_join.collectives import CollectiveCounter
 from rank_scenarios import ToyModel, error_if_expected, make_evaluator, make_loader, make_optimizer, quiet_trainer
@@ -74,12 +75,18 @@ class Recorder(Callback):
         self.shadow: list[bool] = []
         self.losses: list[float] = []
         self.microbatch_sizes: list[list[int]] = []
+        self.steps: list[dict[str, Any]] = []  # per step: epoch, and the sample ids of batches that carry them
 
     def fit_start(self, state, logger):
         self.start_batch = int(state.timestamp.batch)
 
     def before_train_batch(self, state, logger):
         self.microbatch_sizes.append([])
+        batch, shadow = state.batch, is_shadow_step(state)
+        ids = (
+            [int(i) for i in batch[2]] if isinstance(batch, (tuple, list)) and len(batch) == 3 and not shadow else None
+        )
+        self.steps.append({'epoch': int(state.timestamp.epoch), 'ids': ids})
 
     def before_forward(self, state, logger):
         x = state.batch[0] if isinstance(state.batch, (tuple, list)) else state.batch
@@ -138,7 +145,8 @@ def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
         checkpoint['load_path'] = cfg['load_path']
     trainer = quiet_trainer(
         model=model,
-        train_dataloader=make_loader(cfg, rank),
+        # ids: samples (x, y, id), the shard with or without len() (tests/scenarios_readahead.py)
+        train_dataloader=scenarios_readahead.make_loader(cfg, rank) if cfg.get('ids') else make_loader(cfg, rank),
         max_duration=cfg.get('max_duration', f'{cfg.get("epochs", 1)}ep'),
         optimizers=make_optimizer(cfg, model.parameters()),
         algorithms=[join] if join is not None else [],
@@ -161,6 +169,7 @@ def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
         'start_batch': recorder.start_batch,
         'shadow': recorder.shadow,
         'microbatch_sizes': recorder.microbatch_sizes,
+        'steps': recorder.steps,
         'timestamp': {'batch': int(ts.batch), 'sample': int(ts.sample), 'epoch': int(ts.epoch)},
         'reports': [vars(r).copy() for r in join.reports] if join is not None else [],
         'collectives': counter.steps,

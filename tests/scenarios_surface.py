@@ -40,7 +40,7 @@ def predict(cfg: dict) -> dict[str, Any]:
         model=model,
         callbacks=[recorder],
         parallelism_config=parallelism(cfg.get('wrapper'), cfg),
-        algorithms=[UnevenJoin()] if cfg.get('join', True) else [],
+        algorithms=[UnevenJoin(mode=cfg.get('mode', 'shadow'))] if cfg.get('join', True) else [],
     )
     x, y = shard(60 + rank, cfg['shards'][rank])
     loader = DataLoader(ShardWithLen(x, y), batch_size=cfg.get('batch_size', 8))

@@ -3,7 +3,9 @@
 Every scenario trains through Composer's ``Trainer`` (tests/scenarios_fsdp.py, which also holds the
 two CPU-only workarounds for FSDP on gloo) and is compared with the single-process reference
 (tests/reference.py; tests/reference_fsdp.py for BatchNorm, whose buffers FSDP does not broadcast)
-and with the same run under DDP. All scenarios of one world size share one process group; the
+and with the same run under DDP. ``mode='rebalance'``, with and without ``len()``, is compared with the
+references of tests/test_rebalance.py (the planned schedule) and tests/test_rebalance_unsized.py (the
+read-ahead rule's replay). All scenarios of one world size share one process group; the
 stock-Composer hang runs in its own short launch, with a short collective timeout, since a hang
 breaks the process group it happens in.
 """
@@ -17,8 +19,10 @@ import pytest
 import devices
 import reference
 import reference_fsdp
+import test_rebalance
 from harness import launch
 from test_join_core import DIVIDE, NO_DIVIDE, ok
+from test_rebalance_unsized import observed, replay, simulate
 
 TOL = 1e-6  # against the reference and against DDP, for models without BatchNorm
 BN_TOL = 1e-5  # BatchNorm on 2-3 sample microbatches amplifies rounding: the float32 reference is 1.9e-6 from float64's
@@ -81,6 +85,28 @@ for w in WRAPPERS:
         }
     )
 
+# mode='rebalance' under FSDP, with microbatches of 3: with every rank's len() (the planned schedule)
+# and without (read-ahead). 43 = 5 x 8 + 3 and 21 = 2 x 8 + 5 samples: batches of 3, 2 and 1
+# microbatches move between ranks, and the last step shadows; 37 and 0: rank 1 trains only received
+# batches. Samples carry ids (tests/scenarios_readahead.py), so the test sees which batch each rank trains.
+RB = {'mode': 'rebalance'}
+REBALANCE: dict[str, dict] = {}
+for w in WRAPPERS:
+    common = dict(batch_size=8, microbatch=3, wrapper=w, ids=True, join=RB)
+    REBALANCE.update(
+        {
+            f'{w}_rebalance': dict(common, shards=[43, 21], epochs=2, optimizer='adam', unsized=[]),
+            f'{w}_rebalance_empty': dict(common, shards=[37, 0], epochs=1, unsized=[]),
+            f'{w}_readahead': dict(common, shards=[43, 21], epochs=2, optimizer='adam', max_duration='128sp'),
+            f'{w}_readahead_empty': dict(common, shards=[37, 0], epochs=1, unsized=[0], max_duration='37sp'),
+            # three ranks, the middle one empty, batch 4: 5, 0 and 4 batches (the last of rank 2 has 1 sample)
+            f'{w}_rebalance_three': dict(common, shards=[20, 0, 13], batch_size=4, epochs=1, unsized=[]),
+            f'{w}_readahead_three': dict(
+                common, shards=[20, 0, 13], batch_size=4, epochs=1, unsized=[0, 1], max_duration='33sp'
+            ),
+        }
+    )
+
 # Collectives per step, 2 ranks, batch 8, microbatch 3 (3 microbatches on a full batch). Step 2 of
 # 'uneven' has 8 and 4 samples (3 and 2 microbatches); step 2 of 'shadow' has a shadow rank.
 COUNTED: dict[str, dict] = {}
@@ -97,7 +123,11 @@ CHECKPOINT = dict(BASE, microbatch=3, join=DIVIDE, save_interval='4ba', state_di
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory) -> dict:
     folders = {w: str(tmp_path_factory.mktemp(f'ckpt_{w}')) for w in WRAPPERS}
-    two = [(name, 'scenarios_fsdp:train', {'cfg': cfg}) for name, cfg in {**SCENARIOS, **COUNTED}.items()]
+    two = [
+        (name, 'scenarios_fsdp:train', {'cfg': cfg})
+        for name, cfg in {**SCENARIOS, **COUNTED, **REBALANCE}.items()
+        if len(cfg['shards']) == 2
+    ]
     for w in WRAPPERS:
         save = dict(CHECKPOINT, wrapper=w, save_folder=folders[w])
         two.append((f'{w}_ckpt_save', 'scenarios_fsdp:train', {'cfg': save}))
@@ -110,7 +140,15 @@ def runs(tmp_path_factory) -> dict:
         )
     results = launch(2, two, timeout=480)
     results.update(
-        launch(3, [(name, 'scenarios_fsdp:train', {'cfg': cfg}) for name, cfg in THREE.items()], timeout=300)
+        launch(
+            3,
+            [
+                (name, 'scenarios_fsdp:train', {'cfg': cfg})
+                for name, cfg in {**THREE, **REBALANCE}.items()
+                if len(cfg['shards']) == 3
+            ],
+            timeout=300,
+        )
     )
     return results
 
@@ -270,3 +308,41 @@ def test_stock_composer_fsdp_hangs_on_uneven_microbatch_counts():
     for w, per_rank in results.items():
         assert all(isinstance(res, dict) and res['timed_out'] for res in per_rank), f'{w}: {per_rank}'
         assert all(res['steps_completed'] == 2 for res in per_rank), f'{w}: {per_rank}'
+
+
+@pytest.mark.parametrize('name', list(REBALANCE))
+def test_rebalance_trains_every_batch_once_padded_and_equal_to_the_reference(runs, name):
+    cfg = REBALANCE[name]
+    per_rank = ok(runs, name)
+    counts = [-(-n // cfg['batch_size']) for n in cfg['shards']]
+    seen = observed(cfg, per_rank)  # per epoch, per step, per rank: (owner, index) of the batch trained
+    assert len(seen) == cfg['epochs']
+    if cfg.get('unsized', 'all') == []:  # every rank has a len(): the planned schedule (tests/test_rebalance.py)
+        for steps in seen:
+            assert [sorted(c for c in row if c is not None) for row in steps] == [
+                sorted(s) for s in test_rebalance.expected_steps(counts)
+            ]
+        ref = test_rebalance.reference_train(cfg)
+    else:  # read-ahead: the rule's assignment, replayed (tests/test_rebalance_unsized.py)
+        assert seen == [simulate(counts)] * cfg['epochs']
+        ref = replay(cfg, seen)
+    for steps in seen:  # every batch once per epoch
+        assert sorted(c for row in steps for c in row if c is not None) == [
+            (r, i) for r, n in enumerate(counts) for i in range(n)
+        ]
+    for rank, res in enumerate(per_rank):
+        diff = reference.max_abs_diff(res['params'], ref)
+        assert diff < TOL, f'{name}: rank {rank} is {diff:.2e} from the reference'
+        assert res['timestamp']['sample'] == sum(cfg['shards']) * cfg['epochs']
+    # microbatches: each rank's real ones split its batch by 3, and every rank runs as many as the
+    # rank with the most (the others padded with two-sample shadow microbatches)
+    flat = [row for steps in seen for row in steps]
+    for t, row in enumerate(flat):
+        sizes = [res['microbatch_sizes'][t] for res in per_rank]
+        assert len({len(m) for m in sizes}) == 1, f'{name}: step {t}: microbatches {sizes}'
+        for r, cell in enumerate(row):
+            if cell is None:
+                continue
+            n = len(per_rank[r]['steps'][t]['ids'])
+            real = [3] * (n // 3) + ([n % 3] if n % 3 else [])
+            assert sizes[r][: len(real)] == real and all(m == 2 for m in sizes[r][len(real) :]), (t, r, sizes)

@@ -1,8 +1,8 @@
 """``Trainer.predict()``, Composer's callbacks and Trainer options with UnevenJoin on uneven shards.
 
 One 2-rank launch. Predict: every rank predicts every sample of its own shard once (compared with
-the model applied to each sample by this process), under DDP and FSDP2, with an empty shard; stock
-Composer stops every rank at the shortest shard. Callbacks and options: toy model, shards 24 and
+the model applied to each sample by this process), under DDP and FSDP2, with an empty shard, also
+with ``mode='rebalance'``; stock Composer stops every rank at the shortest shard. Callbacks and options: toy model, shards 24 and
 10, batch 8 (rank 1 shadows steps 3 and 6), every rank trains, logs and stops the same.
 """
 
@@ -20,6 +20,9 @@ PREDICT = {
     'predict_ddp_empty': dict(shards=[0, 13]),
     'predict_fsdp2': dict(shards=[21, 6], wrapper='fsdp2'),
     'predict_fsdp2_empty_no_outputs': dict(shards=[13, 0], wrapper='fsdp2', return_outputs=False),
+    # mode='rebalance' changes training only: predict() still gives every rank its own shard (it shadows)
+    'predict_ddp_rebalance': dict(shards=[21, 6], mode='rebalance'),
+    'predict_fsdp2_rebalance_empty': dict(shards=[0, 13], wrapper='fsdp2', mode='rebalance'),
     'predict_stock': dict(shards=[21, 6], join=False),
 }
 EVAL = dict(eval_shards=[12, 3])

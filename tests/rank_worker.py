@@ -2,6 +2,7 @@
 
 import importlib
 import logging
+import os
 import pickle
 import sys
 import traceback
@@ -42,3 +43,10 @@ def main(spec_path: str, out_prefix: str) -> None:
 
 if __name__ == '__main__':
     main(sys.argv[1], sys.argv[2])
+    # The results are saved: leave without the interpreter's finalization, which torch 2.7's gloo
+    # worker threads can abort (SIGABRT, "terminate called without an active exception") when they
+    # still hold work objects with tensors in them (pytorch/pytorch#179291). A rank that raised or
+    # died before this line still exits non-zero, and the harness reports it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from composer_join import UnevenJoin, is_shadow_step
 from rank_scenarios import LogLines, ToyModel, error_if_expected, make_optimizer, quiet_trainer
+from scenarios_rebalance import fit_result
 from toy import shard
 
 
@@ -126,15 +127,8 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
     finally:
         trainer.close()
         logging.getLogger('composer_join').removeHandler(lines)
-    ts = trainer.state.timestamp
     return {
-        'error': error,
-        'params': {k: v.detach().cpu().clone() for k, v in model.module.named_parameters()},
-        'steps': trained.steps,
-        'step_params': trained.params,
-        'timestamp': {'batch': int(ts.batch), 'sample': int(ts.sample), 'epoch': int(ts.epoch)},
-        'reports': [vars(r).copy() for r in join.reports],
-        'log_lines': lines.lines,
+        **fit_result(error, model, trainer, join, trained, lines),
         'peak_held': getattr(join._train_loader.dataloader, 'peak_held', None),
         'loader': type(join._train_loader.dataloader).__name__,
     }

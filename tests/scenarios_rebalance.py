@@ -113,6 +113,15 @@ def train(cfg: dict) -> dict[str, Any]:
     finally:
         trainer.close()
         logging.getLogger('composer_join').removeHandler(lines)
+    return {
+        **fit_result(error, model, trainer, join, trained, lines),
+        'dataloader_len': None if trainer.state.dataloader_len is None else int(trainer.state.dataloader_len),
+        'logged': {k: [v for _, v in vals] for k, vals in memory.data.items() if k.startswith('uneven_join/')},
+    }
+
+
+def fit_result(error: Any, model: Any, trainer: Any, join: Any, trained: Any, lines: Any) -> dict[str, Any]:
+    """What every rebalancing scenario returns: error, weights, per-step records, timestamp, reports, log lines."""
     ts = trainer.state.timestamp
     return {
         'error': error,
@@ -120,8 +129,6 @@ def train(cfg: dict) -> dict[str, Any]:
         'steps': trained.steps,
         'step_params': trained.params,
         'timestamp': {'batch': int(ts.batch), 'sample': int(ts.sample), 'epoch': int(ts.epoch)},
-        'dataloader_len': None if trainer.state.dataloader_len is None else int(trainer.state.dataloader_len),
         'reports': [vars(r).copy() for r in join.reports],
-        'logged': {k: [v for _, v in vals] for k, vals in memory.data.items() if k.startswith('uneven_join/')},
         'log_lines': lines.lines,
     }

@@ -207,12 +207,11 @@ class JoinLoader:
                         self._failure = (step, error)  # error None: it ended before its len()
                         return
                     plan = plan_from_lengths(step, self._rank, status, self._world)
-                    if isinstance(self.dataloader, ReadAheadRebalancer):  # a step it planned: every rank has a batch
-                        self.dataloader.observe(plan)
                 else:
                     plan = (agreement or Agreement(step, status, self.to_device)).plan()
-                    if isinstance(self.dataloader, ReadAheadRebalancer):  # its buffer levels, for the next step
-                        self.dataloader.observe(plan)
+                if isinstance(self.dataloader, ReadAheadRebalancer):  # buffer levels (or bounds) for the next step
+                    self.dataloader.observe(plan)
+                if not local:
                     self._unreported = 0  # in the plan now, so in the report (or, spun past, already in it)
                     self._raise_if_needed(plan, error, batch)
                     if not plan.active_ranks:

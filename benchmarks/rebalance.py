@@ -21,7 +21,7 @@ momentum, one thread per rank, gloo), one epoch per fit, all fits of one world s
 * **rebalance**: ``UnevenJoin(mode='rebalance')`` on the same shards with ``len()``: ``ceil(total / W)`` steps;
 * **shadow, no len** and **rebalance, no len**: the same shards as iterables without ``len()`` (streams,
   filtered data, token budgets), with ``UnevenJoin()`` and ``UnevenJoin(mode='rebalance')`` (read-ahead
-  rebalancing, :mod:`composer_join.readahead`), run for the shards' samples (Composer refuses epochs
+  rebalancing, :mod:`composer_join.rebalance.readahead`), run for the shards' samples (Composer refuses epochs
   without ``len()``).
 
 Wall time = ``Trainer.fit``, max over ranks, median over repetitions (methods in alternating order).

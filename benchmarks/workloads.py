@@ -51,9 +51,9 @@ from composer.utils import dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import composer_join.loader
+import composer_join.join.loader
 from composer_join import CollectiveCounter, UnevenJoin, is_shadow_step
-from composer_join.plan import RankStatus
+from composer_join.core.plan import RankStatus
 
 _COLUMNS = len(RankStatus(True).row())  # the agreement tensor is world_size x _COLUMNS
 
@@ -445,7 +445,7 @@ def event_costs(sizes: list[int], join: bool = True) -> dict[str, Any]:
     engine = trainer.engine
     engine._run_algorithms = timed(ENGINE, engine._run_algorithms)
     algorithm = next((a for a in trainer.state.algorithms if isinstance(a, UnevenJoin)), None)
-    original_iter = getattr(getattr(composer_join.loader, 'JoinLoader', None), '__iter__', None) if join else None
+    original_iter = getattr(getattr(composer_join.join.loader, 'JoinLoader', None), '__iter__', None) if join else None
     if algorithm is not None:
         original_apply, original_match = algorithm.apply, algorithm.match
         algorithm.apply = lambda event, state, logger: timed(f'apply {event.value}', original_apply)(
@@ -453,7 +453,7 @@ def event_costs(sizes: list[int], join: bool = True) -> dict[str, Any]:
         )
         algorithm.match = timed('match (all events)', original_match)
     if original_iter is not None:
-        composer_join.loader.JoinLoader.__iter__ = iterate
+        composer_join.join.loader.JoinLoader.__iter__ = iterate
     tap = AgreementTap('time', lambda what, seconds: add(f'agreement all-reduce: {what}', seconds))
     try:
         with tap:
@@ -463,7 +463,7 @@ def event_costs(sizes: list[int], join: bool = True) -> dict[str, Any]:
         if algorithm is not None:
             del algorithm.apply, algorithm.match
         if original_iter is not None:
-            composer_join.loader.JoinLoader.__iter__ = original_iter
+            composer_join.join.loader.JoinLoader.__iter__ = original_iter
     steps = int(trainer.state.timestamp.batch)
     trainer.close()
     timed_steps = range(min(WARMUP_STEPS, steps - 1), steps)

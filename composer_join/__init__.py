@@ -6,12 +6,12 @@ Switch it on with one algorithm::
     trainer = Trainer(..., algorithms=[UnevenJoin()])
 """
 
-from composer_join.algorithm import UnevenJoin, is_shadow_step
 from composer_join.collectives import CollectiveCounter
-from composer_join.errors import UnevenInputsError
-from composer_join.passes import install as _install_join_pass
-from composer_join.report import EpochReport
-from composer_join.sampler import ExactDistributedSampler
+from composer_join.core.errors import UnevenInputsError
+from composer_join.core.report import EpochReport
+from composer_join.data.sampler import ExactDistributedSampler
+from composer_join.join.algorithm import UnevenJoin, is_shadow_step
+from composer_join.join.passes import install as _install_join_pass
 
 __all__ = [
     'CollectiveCounter',
@@ -22,6 +22,6 @@ __all__ = [
     'is_shadow_step',
 ]
 
-_install_join_pass()  # UnevenJoin's place among the algorithms, per event (composer_join.passes)
+_install_join_pass()  # UnevenJoin's place among the algorithms, per event (composer_join.join.passes)
 
 __version__ = '0.1.0'

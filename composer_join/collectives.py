@@ -1,4 +1,9 @@
-"""Counting collectives per training step: the diagnostic behind the README's collective tables."""
+"""Counting collectives per training step: the diagnostic behind the README's collective tables.
+
+A diagnostics module at the top of the package, beside the public API: nothing of the join imports it.
+
+May import: join, core, interop, shadow, rebalance, wrappers, data.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import torch
 from composer import Callback
 from torch.nn.parallel import DistributedDataParallel
 
-from composer_join.algorithm import is_shadow_step
+from composer_join.join.algorithm import is_shadow_step
 
 __all__ = ['CollectiveCounter']
 

@@ -28,7 +28,7 @@ import torch
 from composer.utils import dist
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from composer_join.registry import Registry
+from composer_join.config.registry import Registry
 
 __all__ = ['DATASETS', 'IGNORE', 'PAD', 'Loaders', 'Shard', 'TokenBudgetBatches', 'digits', 'pad_batch', 'pydoc_text']
 

@@ -17,7 +17,7 @@ from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import ComposerClassifier, ComposerModel
 from torch import nn
 
-from composer_join.registry import Registry
+from composer_join.config.registry import Registry
 from data import IGNORE, PAD
 
 __all__ = ['MODELS', 'ByteLM', 'digits_mlp']

@@ -6,7 +6,7 @@
 
 Arguments after the config are omegaconf dotlist overrides (``key.path=value``). The config's
 ``data:`` and ``model:`` sections name a dataset of ``examples/data.py`` and a model of
-``examples/models.py``; every other section is ``composer_join.config``'s.
+``examples/models.py``; every other section is ``composer_join.config.config``'s.
 
 Rank 0 prints the resolved config first and a summary last (per rank: real batches, shadow steps
 and samples; then the final metrics). Exit status: 0 done; 2 bad config, reported by every rank
@@ -30,7 +30,7 @@ from composer.utils import dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from composer_join import UnevenInputsError, UnevenJoin  # noqa: E402
-from composer_join.config import ConfigError, build_one, load_config, trainer_kwargs  # noqa: E402
+from composer_join.config.config import ConfigError, build_one, load_config, trainer_kwargs  # noqa: E402
 from data import DATASETS  # noqa: E402
 from models import MODELS  # noqa: E402
 

@@ -26,7 +26,7 @@ from torchmetrics.classification import MulticlassAccuracy
 import devices
 from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
 from composer_join.collectives import CollectiveCounter
-from composer_join.sampler import ExactDistributedSampler
+from composer_join.data.sampler import ExactDistributedSampler
 from toy import (
     CLASSES,
     lm_batch,

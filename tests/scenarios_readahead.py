@@ -187,7 +187,7 @@ def text_token_budget(overrides: list[str]) -> dict[str, Any]:
 
     from omegaconf import OmegaConf
 
-    from composer_join.config import build_one, load_config, trainer_kwargs
+    from composer_join.config.config import build_one, load_config, trainer_kwargs
 
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / 'examples'))

@@ -194,11 +194,14 @@ def checkpoint(folder: str, batch: int) -> str:
 
 def resume_cases(cfg: dict, folder: str) -> dict[str, Any]:
     """The uninterrupted run (checkpoint every batch), then one run resumed with ``load_path`` per
-    ``cfg['resume_at']`` batch, and one autoresume after a crash per ``cfg['autoresume_at']``."""
+    ``cfg['resume_at']`` batch, one per checkpoint of ``cfg['saved_by_0_1_0']`` (``{batch: path}``, written
+    by an earlier release), and one autoresume after a crash per ``cfg['autoresume_at']``."""
     full_dir = os.path.join(folder, 'full')
     out: dict[str, Any] = {'full': fit(cfg, save_folder=full_dir, save_interval='1ba')}
     for b in cfg.get('resume_at', []):
         out[f'load_path@{b}'] = fit(cfg, load_path=checkpoint(full_dir, b))
+    for b, path in cfg.get('saved_by_0_1_0', {}).items():  # a checkpoint an earlier release wrote
+        out[f'saved_by_0_1_0@{b}'] = fit(cfg, load_path=path)
     for b in cfg.get('autoresume_at', []):
         auto_dir = os.path.join(folder, f'auto{b}')
         common = dict(save_folder=auto_dir, save_interval='1ba', autoresume=True, run_name=f'auto{b}')

@@ -209,7 +209,7 @@ def hf_generate(cfg: dict) -> dict[str, Any]:
 
 def without_join_pass(cfg: dict) -> str:
     """A Trainer whose Engine lost UnevenJoin's pass: ``fit`` must stop every rank at FIT_START, naming the fix."""
-    from composer_join.passes import join_pass
+    from composer_join.join.passes import join_pass
     from rank_scenarios import make_loader
 
     rank = dist.get_global_rank()

@@ -1,8 +1,8 @@
 """Rebalancing transfers of every torch dtype, point to point between real ranks. Not a test module.
 
 The donor (rank 0) holds two batches and the receiver (rank 1) none, so the schedule hands rank 1
-rank 0's second batch (:class:`composer_join.rebalance.RebalancingLoader`, through its
-:class:`composer_join.transfer.BatchChannel`). Tensors travel on the test device
+rank 0's second batch (:class:`composer_join.rebalance.rebalance.RebalancingLoader`, through its
+:class:`composer_join.rebalance.transfer.BatchChannel`). Tensors travel on the test device
 (``tests/devices.py``: CUDA tensors over NCCL in ``make test-gpu``).
 """
 
@@ -15,7 +15,7 @@ from composer.utils import dist
 
 import devices
 from composer_join import UnevenInputsError
-from composer_join.rebalance import RebalancingLoader
+from composer_join.rebalance.rebalance import RebalancingLoader
 
 DTYPES = [
     torch.bool,

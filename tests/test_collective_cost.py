@@ -198,8 +198,8 @@ def test_a_rank_that_cannot_form_a_planned_batch_stops_every_rank(runs, name, ra
 
 
 def test_planned_steps_and_the_report_they_feed():
-    from composer_join.plan import RankStatus, StepPlan, plan_from_lengths, steps_planned_from_lengths
-    from composer_join.report import EpochReport
+    from composer_join.core.plan import RankStatus, StepPlan, plan_from_lengths, steps_planned_from_lengths
+    from composer_join.core.report import EpochReport
 
     assert steps_planned_from_lengths([5, 3, 4], 5) == 2  # the shortest rank's last batch is step 2
     assert steps_planned_from_lengths([5, 3, 4], 2) == 1  # the trainer asked for 2 batches only

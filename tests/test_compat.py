@@ -30,7 +30,7 @@ from test_rebalance_unsized import simulate
 
 UNEVEN = dict(shards=[12, 6], epochs=2)  # batch 4: GhostBatchNorm (ghost batch 2) refuses a 1-sample batch, stock too
 EVEN = dict(shards=[8, 8], epochs=1)
-REFUSED = ['GhostBatchNorm_4']  # stop every rank at FIT_START (composer_join.refusals)
+REFUSED = ['GhostBatchNorm_4']  # stop every rank at FIT_START (composer_join.interop.refusals)
 ALGORITHMS = [n for n in [*VISION, *NLP] if n not in REFUSED]
 # where UnevenJoin's place among the algorithms or its weighting could change the numbers (the
 # others only operate on the model once, at INIT, or on whole epochs: suite time)

@@ -15,8 +15,8 @@ from composer.core import Algorithm
 from composer.optim import CosineAnnealingWithWarmupScheduler, DecoupledSGDW
 
 from composer_join import UnevenJoin
-from composer_join.config import ConfigError, build, build_one, check_kwargs, load_config, trainer_kwargs
-from composer_join.registry import ALGORITHMS, OPTIMIZERS, Registry, UnknownNameError, snake_case
+from composer_join.config.config import ConfigError, build, build_one, check_kwargs, load_config, trainer_kwargs
+from composer_join.config.registry import ALGORITHMS, OPTIMIZERS, Registry, UnknownNameError, snake_case
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / 'configs').glob('*.yaml'))

@@ -212,7 +212,7 @@ def test_a_buffer_replaced_in_the_forward_counts_every_step_once(runs, name):
 
 def test_buffer_guard_restores_a_buffer_the_forward_replaces():
     """Where a shadow forward still runs (FSDP, SyncBatchNorm models), its buffers come back, even replaced ones."""
-    from composer_join.buffers import BufferGuard
+    from composer_join.shadow.buffers import BufferGuard
 
     module = Counting()
     original = module.count

@@ -197,7 +197,7 @@ def test_shadow_steps_are_small_and_stay_out_of_train_metrics(runs):
     for rank, res in enumerate(ok(runs, 'dict_batches_metrics')):
         shadow_steps = sum(res['shadow'])
         assert shadow_steps == sum(r['shadow_steps'][rank] for r in res['reports'])
-        # under DDP a shadow step runs no forward at all (composer_join.shadow): the model only ever
+        # under DDP a shadow step runs no forward at all (composer_join.shadow.shadow): the model only ever
         # sees this rank's real batches, one forward per real step
         assert len(res['forward_sizes']) == res['shadow'].count(False)
         assert all(size > 0 for size in res['forward_sizes'])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from composer_join.config import build_one, load_config
+from composer_join.config.config import build_one, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / 'configs'

@@ -1,4 +1,4 @@
-"""UnevenJoin's algorithm pass (``composer_join.passes``), in one process: where it places UnevenJoin per event."""
+"""UnevenJoin's algorithm pass (``composer_join.join.passes``), in one process: where it places UnevenJoin per event."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from composer.algorithms import LabelSmoothing, MixUp
 from composer.core import Event, engine
 
 from composer_join import UnevenJoin
-from composer_join.passes import join_pass
+from composer_join.join.passes import join_pass
 
 
 def test_import_registers_the_pass_after_composers_own():

@@ -1,7 +1,7 @@
 """``UnevenJoin(mode='rebalance')`` on real ranks through Composer's Trainer, against a single-process reference.
 
 The reference here is written from the README's specification ("Rebalancing"), not from
-``composer_join.rebalance``: it knows which batches form each step (not which rank trains which)
+``composer_join.rebalance.rebalance``: it knows which batches form each step (not which rank trains which)
 and computes the gradient semantics directly: at step ``t`` the mean of the per-sample loss
 gradients over the samples of the step's batches, times ``A_t / W`` (``A_t`` = batches in the
 step, one per rank) with ``divide_by_initial_world_size``. All scenarios of one world size run in
@@ -285,7 +285,7 @@ def test_a_batch_that_cannot_be_sent_stops_every_rank_with_a_clear_error(runs):
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 12), min_size=1, max_size=6))
 def test_schedule_properties(counts):
-    from composer_join.rebalance import schedule
+    from composer_join.rebalance.rebalance import schedule
 
     steps = schedule(counts)
     world = len(counts)
@@ -301,8 +301,8 @@ def test_schedule_properties(counts):
 
 def test_mode_must_be_one_of_the_allowed_values_in_python_and_yaml():
     from composer_join import UnevenJoin
-    from composer_join.config import ConfigError, build, load_config
-    from composer_join.registry import ALGORITHMS
+    from composer_join.config.config import ConfigError, build, load_config
+    from composer_join.config.registry import ALGORITHMS
 
     with pytest.raises(ValueError, match="must be one of 'shadow', 'rebalance'; got 'rebalanse'"):
         UnevenJoin(mode='rebalanse')

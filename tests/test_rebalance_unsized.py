@@ -1,7 +1,7 @@
 """``UnevenJoin(mode='rebalance')`` when some or all ranks' dataloaders have no ``len()``, on real ranks.
 
 The reference is a single-process replay written from the rule in docs/rebalancing-without-len.md
-(not from ``composer_join.readahead``): :func:`simulate` plays every rank's read-ahead buffer and
+(not from ``composer_join.rebalance.readahead``): :func:`simulate` plays every rank's read-ahead buffer and
 the give/receive rule step by step from the shard sizes alone, which gives which batch each rank
 trains at each step; the test checks that the ranks recorded exactly that assignment, then
 replays it in one process with the gradient semantics (mean of the per-sample loss gradients over
@@ -410,7 +410,7 @@ def test_the_rule_trains_every_batch_once_in_at_most_one_step_more_than_the_size
 
 
 def test_assign_follows_the_documented_rule():
-    from composer_join.readahead import assign
+    from composer_join.rebalance.readahead import assign
 
     assert assign([(0, True), (0, True)]) is None  # every buffer empty: the epoch ends
     assert assign([(2, False), (0, True), (0, True), (0, True)]) == [0, 0, 0, 0]  # buffer, then fresh reads

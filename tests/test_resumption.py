@@ -12,6 +12,7 @@ describes it, and trains every sample of every shard once per epoch.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +22,21 @@ from harness import RankError, launch
 
 TOL = 1e-6
 WORLD = 3
+# Written by composer-join 0.1.0 before the package moved into subpackages (issue 26), from 'iterable_sized' at
+# batch 5 (tests/data/README.md): loading it must still resume exactly where the uninterrupted run is.
+SAVED_BY_0_1_0 = {5: str(Path(__file__).parent / 'data' / 'checkpoint-0.1.0-ep0-ba5-rank0.pt')}
 
 # name -> config. Per-rank shards of 4-sample batches: 21, 0, 13 samples = 6, 0, 4 batches per epoch.
 SCENARIOS: dict[str, dict] = {
     # an empty shard, rank 2 shadowing from step 4; checkpoints in epoch 0, at the epoch boundary, in epoch 1
     'iterable_sized': dict(
-        data='sized', shards=[21, 0, 13], batch_size=4, epochs=2, resume_at=[1, 5, 6, 8, 11], autoresume_at=[8]
+        data='sized',
+        shards=[21, 0, 13],
+        batch_size=4,
+        epochs=2,
+        resume_at=[1, 5, 6, 8, 11],
+        autoresume_at=[8],
+        saved_by_0_1_0=SAVED_BY_0_1_0,
     ),
     # microbatches of 3 under multi_auto_sync (uneven microbatch counts), Adam
     'microbatch': dict(
@@ -82,7 +92,9 @@ def resumed(per_rank: list[dict]) -> list[str]:
 @pytest.mark.parametrize('name', SCENARIOS)
 def test_resumed_runs_end_exactly_where_the_uninterrupted_run_ends(runs, name):
     per_rank = ok(runs, name)
-    assert len(resumed(per_rank)) == len(SCENARIOS[name]['resume_at']) + len(SCENARIOS[name].get('autoresume_at', []))
+    cfg = SCENARIOS[name]
+    expected = [cfg['resume_at'], cfg.get('autoresume_at', []), cfg.get('saved_by_0_1_0', {})]
+    assert len(resumed(per_rank)) == sum(map(len, expected))
     for rank, res in enumerate(per_rank):
         full = res['full']
         for key in resumed(per_rank):
@@ -156,7 +168,7 @@ def test_a_streaming_dataset_keeps_the_global_count(monkeypatch):
     # (A stand-in `streaming` module, so the test does not need mosaicml-streaming installed.)
     import types
 
-    from composer_join.resume import own_sample_counts
+    from composer_join.data.resume import own_sample_counts
 
     class StreamingDataset:
         def state_dict(self, num_samples, from_beginning):

@@ -1,4 +1,4 @@
-"""Tests for composer_join.sampler.ExactDistributedSampler (single process; ranks are simulated)."""
+"""Tests for composer_join.data.sampler.ExactDistributedSampler (single process; ranks are simulated)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from composer_join.sampler import ExactDistributedSampler
+from composer_join.data.sampler import ExactDistributedSampler
 
 PROPS = settings(max_examples=150, deadline=None, derandomize=True)
 
@@ -230,7 +230,7 @@ def test_shard_length_rejects_bad_rank():
 
 
 def test_module_exports():
-    import composer_join.sampler as mod
+    import composer_join.data.sampler as mod
 
     assert mod.__all__ == ['ExactDistributedSampler']
     assert issubclass(ExactDistributedSampler, DistributedSampler)

@@ -10,10 +10,10 @@ from composer import Trainer
 from composer.core import DataSpec
 
 from composer_join import UnevenJoin
-from composer_join.batches import first_samples, sample_lists
-from composer_join.gradients import scale_grad
-from composer_join.plan import RankStatus, StepPlan
-from composer_join.report import EpochReport
+from composer_join.core.batches import first_samples, sample_lists
+from composer_join.core.plan import RankStatus, StepPlan
+from composer_join.core.report import EpochReport
+from composer_join.shadow.gradients import scale_grad
 from rank_scenarios import ToyModel, make_loader
 
 

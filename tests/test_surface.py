@@ -159,4 +159,4 @@ def test_generate_runs_on_every_rank_at_the_same_steps(runs):
 
 def test_a_trainer_without_the_join_pass_stops_every_rank_at_fit_start(runs):
     for message in runs['without_pass']:
-        assert isinstance(message, str) and 'algorithm_passes=composer_join.passes.join_pass' in message
+        assert isinstance(message, str) and 'algorithm_passes=composer_join.join.passes.join_pass' in message

@@ -1,0 +1,14 @@
+"""The join's vocabulary, shared by every other subpackage: what a step is and how ranks agree on it.
+
+* :mod:`~composer_join.core.plan`: the per-step agreement (:class:`~composer_join.core.plan.StepPlan`): which
+  ranks have data, their sample and microbatch counts, failures; one small all-reduce, or none when the
+  ranks' lengths already say it;
+* :mod:`~composer_join.core.report`: :class:`~composer_join.EpochReport`, what each rank trained and shadowed;
+* :mod:`~composer_join.core.settings`: UnevenJoin's settings, compared across ranks in the first agreement;
+* :mod:`~composer_join.core.batches`: batch trees: mapping over their tensors, taking their first samples;
+* :mod:`~composer_join.core.errors`: :class:`~composer_join.UnevenInputsError`.
+
+Nothing here knows Composer's events or the model's wrapper; it is the bottom layer.
+
+May import: nothing of composer_join outside core.
+"""

@@ -1,0 +1,9 @@
+"""What the ranks read and where they stand in it: the exact sampler, and per-rank positions for resumption.
+
+* :mod:`~composer_join.data.sampler`: :class:`~composer_join.ExactDistributedSampler`, a
+  ``DistributedSampler`` that neither pads nor drops;
+* :mod:`~composer_join.data.resume`: where each rank's train dataloader stands in a checkpoint, and the
+  plain data UnevenJoin keeps in one.
+
+May import: core, rebalance.
+"""

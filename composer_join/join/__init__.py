@@ -1,0 +1,15 @@
+"""The join itself: the algorithm that routes Composer's events, and the loader that plans each step.
+
+* :mod:`~composer_join.join.algorithm`: :class:`~composer_join.UnevenJoin`, which only routes events to the
+  subpackages below and holds the loaders and the current plan;
+* :mod:`~composer_join.join.loader`: ``JoinLoader``: per step this rank's batch or a shadow batch, the plan,
+  the common end of the epoch;
+* :mod:`~composer_join.join.passes`: the algorithm pass: where UnevenJoin runs among Composer's other
+  algorithms, per event.
+
+One training step goes: ``JoinLoader`` (plan, batch) -> the wrapper (:mod:`composer_join.wrappers`) -> the
+shadow parts (:mod:`composer_join.shadow`) and Composer's loop (:mod:`composer_join.interop`) -> the report
+(:mod:`composer_join.core.report`).
+
+May import: core, interop, shadow, rebalance, wrappers, data.
+"""

@@ -1,0 +1,501 @@
+"""The train dataloader Composer iterates while UnevenJoin is active.
+
+:class:`JoinLoader` wraps one rank's own dataloader. Composer's ``_iter_dataloader`` calls ``next``
+on it once per step on every rank; inside that call the loader
+
+1. fetches this rank's next batch (or notes that it has run out, or that fetching failed);
+2. knows the step's :class:`~composer_join.core.plan.StepPlan`: on the steps before the shortest rank's
+   last batch, when every rank's dataloader has a ``len()``, from the lengths alone (every rank
+   has a batch; no collective), or, with read-ahead rebalancing, where its buffer levels say so
+   (:func:`~composer_join.rebalance.readahead.agreement_needed`); on the other steps by agreeing with all ranks (one small
+   collective, which it fetched the batch for and started during the previous ``next``, so that
+   it overlaps that step's training);
+3. stops the epoch on every rank when no rank has data left, raises :class:`UnevenInputsError`
+   on every rank when the plan says so, and otherwise yields the real batch, or, on a rank that
+   has run out, a *shadow batch*: the same structure with zero samples. Composer counts a shadow
+   batch as zero samples and zero tokens and splits it into one microbatch, so all of Composer's
+   per-step collectives still match across ranks.
+
+A rank that cannot form its batch on a step planned from the lengths (its dataloader raised, or
+ended before its ``len()``) stops iterating: Composer's own per-step "exhausted" all-reduce ends
+the loop on every rank at that step, and :meth:`JoinLoader.check_ended_together` (at the epoch's or
+evaluation's end) then raises on every rank, the failing one with the cause.
+
+A rank that has never seen a batch (an empty shard) is sent a one-or-two sample template by the
+lowest rank with data, once, to learn the batch structure.
+
+Example (what the algorithm does at ``Event.FIT_START`` and ``Event.EVAL_START``)::
+
+    loader = join_dataloader(state)  # wraps state.dataloader and puts the wrapper in its place
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Optional, cast
+
+import torch
+from composer.core import DataSpec, State
+from composer.utils import dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from composer_join.core.batches import first_samples, to_cpu
+from composer_join.core.errors import UnevenInputsError
+from composer_join.core.plan import (
+    Agreement,
+    RankStatus,
+    StepPlan,
+    agree_on_failures,
+    agree_on_length,
+    len_or_none,
+    plan_from_lengths,
+    steps_planned_from_lengths,
+)
+from composer_join.core.report import EpochReport
+from composer_join.rebalance.readahead import IDLE, ReadAheadRebalancer, rebalanced_without_len
+from composer_join.rebalance.rebalance import Rebalancer, rebalanced
+from composer_join.shadow.dataspec import ShadowSplit, count_microbatches, count_samples, spec_for
+from composer_join.shadow.structure import describe as describe_structure
+from composer_join.shadow.structure import fingerprint
+
+__all__ = ['TEMPLATE_SAMPLES', 'JoinLoader', 'join_dataloader', 'pads_by_repeating']
+
+log = logging.getLogger(__name__)
+
+TEMPLATE_SAMPLES = 2
+"""Samples in a shadow forward: two, so that BatchNorm in training mode accepts it."""
+
+Describe = Callable[[Any], tuple[int, int]]
+
+
+class JoinLoader:
+    """One rank's dataloader, made to end every epoch on all ranks at the same step.
+
+    Args:
+        dataloader: this rank's own train dataloader (any iterable of batches).
+        describe: ``batch -> (samples, microbatches)`` as Composer will count and split it;
+            ``-1`` samples or ``0`` microbatches where that cannot be known.
+        length: the shared number of batches per epoch (the longest rank's), or ``None`` if some
+            rank's dataloader has no ``len()``.
+        check_overflow: peek past ``length`` at the last step, and fail on every rank if some
+            dataloader yields more than its ``len()`` promised (its extra batches would be lost).
+        throw_on_early_termination: raise :class:`UnevenInputsError` on every rank at the first
+            step where some rank has no batch, instead of shadowing.
+        to_device: moves the agreement tensor to the trainer's device (``state.device.tensor_to_device``).
+        lengths: every rank's own ``len()`` (``None`` where a rank has none), as
+            :func:`~composer_join.core.plan.agree_on_length` returns them: the steps before the
+            shortest rank's last batch are then planned without a collective.
+    """
+
+    def __init__(
+        self,
+        dataloader: Iterable,
+        describe: Describe,
+        length: Optional[int] = None,
+        check_overflow: bool = False,
+        throw_on_early_termination: bool = False,
+        to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        lengths: Optional[Sequence[Optional[int]]] = None,
+    ):
+        self.dataloader = dataloader
+        self.describe = describe
+        self.length = length
+        self.check_overflow = check_overflow
+        self.throw_on_early_termination = throw_on_early_termination
+        self.to_device = to_device
+        self.template: Optional[Any] = None  # first samples of a real batch, on the CPU
+        self.plan: Optional[StepPlan] = None  # the current step's plan, while iterating (see current_plan)
+        # () -> the microbatch size in force (Composer's automatic microbatching halves it after an OOM)
+        self.microbatch_size: Callable[[], Any] = lambda: None
+        self._fetched_with: Any = None  # the size in force when the pending batch was described
+        self._plan_size: Any = None  # the size the current plan's microbatch counts were taken with
+        self._recounted: Optional[tuple[StepPlan, Any, StepPlan]] = None
+        self._exhausted: Optional[Iterator] = None  # the iterator that ran out
+        self.report = EpochReport(epoch=0, world_size=dist.get_world_size())
+        self.epoch = 0
+        self.lengths = lengths
+        self.steps = 0  # steps yielded in the current epoch
+        self._ended = False  # the current epoch ended by agreement (no rank has data left)
+        self._failure: Optional[tuple[int, BaseException]] = None  # step and cause, on a step planned from lengths
+        self._unreported = 0  # own samples on steps planned from lengths, not yet sent in an agreement
+        self.trained = 0  # own real samples yielded in the current epoch (-1: uncountable)
+        self.resumed_samples = 0  # own samples trained before a mid-epoch resume the dataset made itself
+        self._rank, self._world = dist.get_global_rank(), dist.get_world_size()
+        # Train only: () -> (epoch, first step, steps Composer skips), read when iteration starts
+        # (composer_join.data.resume.train_position), so a mid-epoch resume reshuffles and counts right.
+        self.position: Optional[Callable[[], tuple[int, int, int]]] = None
+
+    def current_plan(self) -> Optional[StepPlan]:
+        """The current step's plan, its microbatch counts for the microbatch size in force now.
+
+        The counts were taken when the batch was fetched, a step ahead; if Composer has changed the
+        microbatch size since (automatic microbatching, after a CUDA OOM, on every rank alike), they
+        are recomputed from the agreed samples (:meth:`~composer_join.core.plan.StepPlan.recounted`).
+        """
+        plan, size = self.plan, self.microbatch_size()
+        if plan is None or size == self._plan_size:
+            return plan
+        if self._recounted is None or self._recounted[0] is not plan or self._recounted[1] != size:
+            self._recounted = (plan, size, plan.recounted(size))
+        return self._recounted[2]
+
+    @property
+    def own_length(self) -> Optional[int]:
+        """This rank's ``len()``, if it has one: running out before it is an error."""
+        return self.lengths[self._rank] if self.lengths else None
+
+    def own_samples(self) -> int:
+        """Samples this rank has trained in the current epoch so far, up to the last batch it yielded (-1 if uncountable)."""
+        return self.trained
+
+    def own_shard_samples(self) -> int:
+        """Samples of this rank's own dataloader used in the current epoch so far: trained here, or (rebalance) given away."""
+        if isinstance(self.dataloader, Rebalancer):
+            return self.dataloader.consumed_samples(self.steps)
+        return self.trained
+
+    @property
+    def planned_steps(self) -> int:
+        """Leading steps of every epoch planned from the lengths alone, with no collective."""
+        return steps_planned_from_lengths(self.lengths, self.length)
+
+    def __getattr__(self, name: str) -> Any:
+        """Other attributes are the wrapped dataloader's (``batch_size``, ``dataset``: SeqLengthWarmup reads them)."""
+        dataloader = self.__dict__.get('dataloader')
+        if dataloader is None or name.startswith('__'):
+            raise AttributeError(name)
+        return getattr(dataloader, name)
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("some rank's train dataloader has no len(), so the epoch length is unknown")
+        return self.length
+
+    def count(self, batch: Any) -> int:
+        """Samples in ``batch`` (a microbatch, say), 0 if they cannot be counted."""
+        return max(self.describe(batch)[0], 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called at every epoch start: reshuffles a ``DistributedSampler`` as Composer would."""
+        self.epoch = epoch
+        sampler = _distributed_sampler(self.dataloader)
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        first, skipped = 0, 0
+        if self.position is not None:
+            epoch, first, skipped = self.position()
+            self.set_epoch(epoch)
+        if isinstance(self.dataloader, Rebalancer):
+            self.dataloader.start = first  # the dataset resumed itself at step `first` (else 0)
+        batches = iter(self.dataloader)
+        if first + skipped == 0 or self.report.epoch != self.epoch:  # else: resuming the report's epoch
+            self.report = EpochReport(epoch=self.epoch, world_size=self._world)
+        self._ended, self._failure, self._unreported = False, None, 0
+        self.trained = self.resumed_samples if first else 0
+        planned = self.planned_steps
+        step = self.steps = first
+        pending = self._fetch_and_agree(batches, step, planned)
+        try:
+            while pending is not None:
+                batch, status, error, agreement, local = pending
+                if local:
+                    if not status.has_batch:  # only this rank knows: stop, and Composer stops every rank
+                        self._failure = (step, error)  # error None: it ended before its len()
+                        return
+                    plan = plan_from_lengths(step, self._rank, status, self._world)
+                else:
+                    plan = (agreement or Agreement(step, status, self.to_device)).plan()
+                if isinstance(self.dataloader, ReadAheadRebalancer):  # buffer levels (or bounds) for the next step
+                    self.dataloader.observe(plan)
+                if not local:
+                    self._unreported = 0  # in the plan now, so in the report (or, spun past, already in it)
+                    self._raise_if_needed(plan, error, batch)
+                    if not plan.active_ranks:
+                        self._ended = True
+                        return
+                    if plan.template_source is not None:
+                        self._share_template(plan.template_source)
+                self.plan, self._plan_size = plan, self._fetched_with
+                if step >= first + skipped:  # not a batch Composer spins past on resumption
+                    self.report.record(plan)
+                # Fetch the next batch (and start its agreement) now: it completes while this step trains.
+                # With a known length Composer asks for no batch past it, so none is fetched.
+                pending = (
+                    None
+                    if self.length is not None and step + 1 >= self.length
+                    else self._fetch_and_agree(batches, step + 1, planned)
+                )
+                self.steps = step + 1
+                if status.has_batch:
+                    self.trained = -1 if min(self.trained, status.samples) < 0 else self.trained + status.samples
+                yield batch if status.has_batch else first_samples(self.template, 0)
+                step += 1
+        finally:
+            self.plan = None
+
+    def _fetch_and_agree(self, batches: Iterator[Any], step: int, planned: int):
+        """Fetch step ``step``'s batch; start its agreement if it is agreed and not the first agreed step.
+
+        A step is planned locally (no agreement) if it is one of the ``planned`` leading steps, or if
+        the read-ahead rebalancer says every rank has a batch at it and the next
+        (:func:`~composer_join.rebalance.readahead.agreement_needed`). The first agreed step's agreement starts
+        only when that step is asked for: a rank that cannot form its batch on the last planned step
+        stops without it, so the others must not start it early.
+        Returns ``(batch, status, error, agreement or None, planned locally)``.
+        """
+        self._fetched_with = self.microbatch_size()
+        batch, status, error = self._fetch(batches, step)
+        readahead = self.dataloader if isinstance(self.dataloader, ReadAheadRebalancer) else None
+        if step < planned or (readahead is not None and not readahead.agreed):
+            if status.has_batch:  # sent with the next agreement (-1 once some batch could not be counted)
+                uncountable = min(self._unreported, status.samples) < 0
+                self._unreported = -1 if uncountable else self._unreported + status.samples
+            return batch, status, error, None, True
+        status = dataclasses.replace(status, unreported_samples=self._unreported)  # zeroed once agreed
+        if readahead is not None:
+            status = dataclasses.replace(status, **readahead.status_columns())
+        return batch, status, error, Agreement(step, status, self.to_device) if step > planned else None, False
+
+    def check_ended_together(self) -> None:
+        """Raise on every rank if this epoch (or evaluation) ended early because some rank could not form a batch.
+
+        Call on every rank once Composer's loop over this loader has ended (``EPOCH_END``,
+        ``EVAL_END``). On a step planned from the lengths, a rank whose dataloader raises (or ends
+        before its ``len()``) stops iterating, and Composer's own per-step "exhausted" all-reduce
+        ends the loop on every rank at that step. Every rank then sees fewer steps than planned
+        and, only then, agrees on who failed (one collective) and raises: the failing rank its own
+        error, the others :class:`UnevenInputsError` naming it. Otherwise a no-op, no collective.
+        """
+        if self.length is None or self._ended or self.steps >= self.length:
+            return
+        step, error = self._failure if self._failure is not None else (None, None)
+        failed = agree_on_failures(step, self._failure is not None and error is None, self.to_device)
+        if error is not None:
+            raise error
+        short = [r for r, f in enumerate(failed) if f is not None and f[1]]
+        if short:
+            raise self._short_error(short, min(f[0] for f in failed if f is not None and f[1]))
+        ranks = [r for r, f in enumerate(failed) if f is not None]
+        steps = sorted({f[0] for f in failed if f is not None})
+        raise UnevenInputsError(
+            f'rank(s) {ranks} could not form batch {", ".join(map(str, steps))} of epoch {self.epoch} (their '
+            f'dataloader raised); every rank stops here, the failing rank raises the cause',
+        )
+
+    def _short_error(self, ranks: list[int], step: int) -> UnevenInputsError:
+        """The error for dataloaders that ended after ``step`` batches, before their ``len()``."""
+        return UnevenInputsError(
+            f'the dataloader of rank(s) {ranks} ran out after {step} batches in epoch {self.epoch}, fewer '
+            f'than its len() promised (this rank: len() {self.own_length}); the epoch length, and so schedules '
+            f"and durations, would silently be wrong. Make __len__ of each rank's dataset match what it yields, "
+            f'or remove __len__.',
+        )
+
+    def _fetch(self, batches: Iterator[Any], step: int) -> tuple[Any, RankStatus, Optional[BaseException]]:
+        """This rank's next batch (None once exhausted), its status for the agreement, and any error."""
+        if batches is not self._exhausted:
+            try:
+                batch = next(batches)
+                if batch is IDLE:  # rebalancing without len(): no batch at this step, the epoch goes on
+                    raise _Idle
+            except _Idle:
+                pass
+            except StopIteration:
+                self._exhausted = batches
+                if self.own_length is not None and step < self.own_length:  # batch i is trained at step i
+                    return None, RankStatus(has_batch=False, short=True), None
+            except Exception as e:  # reported to every rank by the agreement, then re-raised here
+                return None, RankStatus(has_batch=False, failed=True), e
+            else:
+                if self.template is None:
+                    self.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
+                samples, microbatches = self.describe(batch)
+                overflow = False
+                if self.check_overflow and self.length is not None and step == self.length - 1:
+                    overflow = _has_more(batches)
+                return (
+                    batch,
+                    RankStatus(True, samples, microbatches, overflow=overflow, structure=fingerprint(batch)),
+                    None,
+                )
+        return (
+            None,
+            RankStatus(
+                has_batch=False,
+                samples=0,
+                microbatches=1,
+                needs_template=self.template is None,
+                structure=0 if self.template is None else fingerprint(self.template),
+            ),
+            None,
+        )
+
+    def _raise_if_needed(self, plan: StepPlan, error: Optional[BaseException], batch: Any = None) -> None:
+        failed = [r for r, s in enumerate(plan.statuses) if s.failed]
+        if failed:
+            msg = (
+                f'rank(s) {failed} could not form batch {plan.step} of epoch {self.epoch} (their dataloader raised, '
+                f'or their data cannot be shadowed); every rank stops here, the failing rank raises the cause'
+            )
+            if error is not None:
+                raise error
+            raise UnevenInputsError(msg)
+        overflow = [r for r, s in enumerate(plan.statuses) if s.overflow]
+        if overflow:
+            raise UnevenInputsError(
+                f'the dataloader of rank(s) {overflow} yielded more than the {self.length} batches per epoch '
+                f'that the longest len() promised; the extra batches would be silently dropped. Make __len__ of '
+                f"each rank's dataset match what it yields, or remove __len__ so the epoch ends when data does.",
+            )
+        short = [r for r, s in enumerate(plan.statuses) if s.short]
+        if short:
+            raise self._short_error(short, plan.step)
+        if plan.structures_differ:
+            mine = describe_structure(batch if batch is not None else self.template)
+            structures = dist.all_gather_object(mine)  # only on this error path, on every rank
+            per_rank = '; '.join(f'rank {r}: {d}' for r, d in enumerate(structures))
+            raise UnevenInputsError(
+                f'at step {plan.step} of epoch {self.epoch} rank(s) {plan.joined_ranks} shadow with a batch shaped '
+                f"after another step's or another rank's, but the batches differ in structure ({per_rank}). A shadow "
+                f"batch copies container types, keys, tensor dtypes and dimensions; make every rank's dataloader "
+                f'yield one structure at every step.',
+            )
+        if self.throw_on_early_termination and plan.active_ranks and plan.joined_ranks:
+            counts = ', '.join(f'rank {r}: {n}' for r, n in enumerate(self.report.real_batches))
+            raise UnevenInputsError(
+                f'rank(s) {plan.joined_ranks} ran out of data at step {plan.step} of epoch {self.epoch} '
+                f'while rank(s) {plan.active_ranks} still have batches (batches so far: {counts}). '
+                f'UnevenJoin(throw_on_early_termination=True) stops here; set it to False to let exhausted '
+                f'ranks join and shadow the others until all are done.',
+            )
+
+    def _share_template(self, source: int) -> None:
+        box = [self.template if dist.get_global_rank() == source else None]
+        dist.broadcast_object_list(box, src=source)
+        if self.template is None:
+            self.template = box[0]
+            log.info(
+                'rank %d has no data of its own; shaped its shadow batches after rank %d',
+                dist.get_global_rank(),
+                source,
+            )
+
+
+def join_dataloader(
+    state: State,
+    cached: Optional[JoinLoader] = None,
+    throw: bool = False,
+    microbatch_size: Any = None,
+    rebalance: bool = False,
+    settings: Sequence[int] = (),
+) -> JoinLoader:
+    """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
+
+    Called on every rank at the same point (fit or evaluation start): one collective to agree on
+    the longest rank's length. ``cached``, a loader made earlier for the same dataloader, is reused
+    with the template it holds. ``throw`` is ``throw_on_early_termination``. Microbatch counts are
+    predicted with ``microbatch_size`` (an evaluator's, or a callable giving the size in force), by default
+    the train microbatch size in force.
+    ``rebalance``: put a :class:`~composer_join.rebalance.rebalance.Rebalancer` between the two
+    (``mode='rebalance'``: a :class:`~composer_join.rebalance.rebalance.RebalancingLoader`, or, if some rank's
+    dataloader has no ``len()``, a :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer`).
+    ``settings``: UnevenJoin's (:func:`composer_join.core.settings.row`), checked to be the same on every
+    rank in the same collective.
+    """
+    dataloader = state.dataloader
+    current = None if state.dataloader_len is None else int(state.dataloader_len)
+    if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer
+        dataloader = dataloader.dataloader
+    if isinstance(dataloader, Rebalancer):  # a second fit() with mode='rebalance'
+        current = dataloader.counts[dataloader.rank]
+        dataloader = dataloader.dataloader
+    own_len = len_or_none(dataloader)
+    if rebalance and own_len is not None and current is not None:
+        own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
+    shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device, settings)
+    lengths: Optional[list[Optional[int]]] = own_lens
+    if (
+        rebalance and None in own_lens
+    ):  # some rank has no len(): rebalanced step by step (composer_join.rebalance.readahead)
+        dataloader, shared, check_overflow, lengths = rebalanced_without_len(
+            dataloader, own_lens, state.device.tensor_to_device
+        )
+    elif rebalance:  # the lengths are then each rank's assigned batches, own and received
+        dataloader, shared, check_overflow, lengths = rebalanced(
+            dataloader, cast(list[int], own_lens), shared, check_overflow, state.device.tensor_to_device
+        )
+    if microbatch_size is None:
+        size = lambda: state.device_train_microbatch_size  # noqa: E731 (read when used: auto microbatching)
+    else:
+        size = microbatch_size if callable(microbatch_size) else lambda: microbatch_size
+    if cached is not None and cached.dataloader is dataloader:
+        loader = cached
+        loader.length, loader.check_overflow, loader.lengths = shared, check_overflow, lengths
+    else:
+        spec = ShadowSplit.installed(spec_for(state, dataloader))  # Composer's, so counts are its counts
+        loader = JoinLoader(
+            dataloader,
+            describe=lambda batch: _describe(spec, batch, loader.microbatch_size()),
+            length=shared,
+            check_overflow=check_overflow,
+            throw_on_early_termination=throw,
+            to_device=state.device.tensor_to_device,
+            lengths=lengths,
+        )
+    loader.microbatch_size = size
+    if isinstance(loader.dataloader, Rebalancer):
+        loader.dataloader.count = lambda batch: loader.describe(batch)[0]
+    label = state.dataloader_label
+    state.set_dataloader(loader, label, -1 if shared is None else shared)
+    log.info(
+        'UnevenJoin: %s batches per rank %s; every rank runs %s steps.',
+        label,
+        own_lens,
+        shared if shared is not None else 'until the last rank runs out',
+    )
+    return loader
+
+
+class _Idle(Exception):
+    """Raised inside :meth:`JoinLoader._fetch` for an :data:`~composer_join.rebalance.readahead.IDLE` step."""
+
+
+def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, int]:
+    """(samples, microbatches) as Composer will count and split ``batch`` with ``spec`` (its own ``DataSpec``)."""
+    samples = count_samples(spec, batch)
+    if samples < 0:
+        return -1, 0
+    return samples, count_microbatches(spec, batch, microbatch_size, samples)
+
+
+def _has_more(batches: Iterator[Any]) -> bool:
+    """Whether ``batches`` yields another batch (fetching it)."""
+    try:
+        next(batches)
+    except StopIteration:
+        return False
+    return True
+
+
+def _distributed_sampler(dataloader: Any) -> Optional[DistributedSampler]:
+    if isinstance(dataloader, Rebalancer):
+        dataloader = dataloader.dataloader
+    if not isinstance(dataloader, DataLoader):
+        return None
+    for sampler in (dataloader.sampler, getattr(dataloader.batch_sampler, 'sampler', None)):
+        if isinstance(sampler, DistributedSampler):
+            return sampler
+    return None
+
+
+def pads_by_repeating(dataloader: Any) -> bool:
+    """True if ``dataloader`` shards with a ``DistributedSampler`` that repeats samples to even out the shards."""
+    sampler = _distributed_sampler(dataloader)
+    try:
+        return sampler is not None and sampler.total_size > len(sampler.dataset)  # type: ignore[arg-type]
+    except TypeError:  # a dataset without len()
+        return False

@@ -1,0 +1,335 @@
+"""Rebalancing: ranks that run out of data train batches that other ranks still have, so no rank idles.
+
+:class:`RebalancingLoader` sits *beneath* the :class:`~composer_join.join.loader.JoinLoader`: it wraps
+one rank's own dataloader and yields the batches this rank trains, its own and those handed to it
+by other ranks. Its ``len()`` is this rank's assigned count, so the JoinLoader above it (per-step
+agreement, shadowing of the last step, gradient weighting) works unchanged.
+
+The schedule (:func:`schedule`) is computed identically on every rank from every rank's batch
+count ``n_r`` (their ``len()``, exchanged once per fit), with no further communication:
+
+    ``R_r = n_r`` batches remain on rank ``r``. At each step, while some ``R_r > 0``:
+
+    1. every rank with ``R_r >= 1`` trains its next own batch (``R_r -= 1``);
+    2. every other rank (it had ``R_r = 0``), in increasing rank order, is given one batch by the
+       rank with the most batches remaining now (ties to the lowest rank), if that is at least
+       one: the donor's next own batch (``R_donor -= 1``); if no rank has one left, it shadows.
+
+Each step trains ``min(W, batches remaining)`` batches, so an epoch lasts ``ceil(sum n_r / W)``
+steps, and only its last step can have shadowing ranks. A donor reads its own batches in order:
+first the one it trains, then those it gives, to the receivers in increasing rank order.
+
+Transfers happen inside ``next()``, which the JoinLoader calls once per step on every rank that
+still has assigned batches (for step ``t + 1``, during step ``t``): the donor sends, the receiver
+receives, point to point, in the order above, through a :class:`~composer_join.rebalance.transfer.BatchChannel`
+(the wire format and its cost are in :mod:`composer_join.rebalance.transfer`). The received batch is already
+on the trainer's device, with no copy. If a donor cannot read or pickle a batch it sends a failure
+instead, and both ranks raise; the JoinLoader's agreement then stops every rank, so nothing hangs.
+
+:class:`Rebalancer` is what this loader shares with the one for dataloaders without ``len()``
+(:class:`~composer_join.rebalance.readahead.ReadAheadRebalancer`): the wrapped dataloader, the channel, the
+epoch report's fields, resumption's counts.
+
+Example (what :func:`~composer_join.join.loader.join_dataloader` does in ``mode='rebalance'``)::
+
+    loader = RebalancingLoader(own_dataloader, counts=[10, 5], own_len=len(own_dataloader))
+    loader.length  # 8 steps per epoch on every rank: ceil(15 / 2)
+    len(loader)    # this rank's batches: 8 on rank 0 (2 of its 10 given away), 7 on rank 1 (2 received)
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+from composer.utils import dist
+
+from composer_join.core.errors import UnevenInputsError
+from composer_join.core.plan import len_or_none
+from composer_join.core.report import EpochReport
+from composer_join.rebalance.transfer import BatchChannel
+
+__all__ = ['Rebalancer', 'RebalancingLoader', 'rebalanced', 'schedule']
+
+Cell = Optional[tuple[int, int]]  # (owner rank, index of the batch in the owner's shard), or None: shadow
+
+
+def schedule(counts: list[int]) -> list[list[Cell]]:
+    """Who trains which batch at every step of an epoch (the rules in the module docstring).
+
+    Returns, per step, per rank, ``(owner, index)`` of the batch that rank trains, or ``None``
+    if it shadows. Cost: ``O(steps * W^2)``, once per fit.
+
+    Example:
+        >>> schedule([3, 0])
+        [[(0, 0), (0, 1)], [(0, 2), None]]
+    """
+    world = len(counts)
+    taken = [0] * world  # batches of each rank's shard handed out so far
+    steps = []
+    while any(t < n for t, n in zip(taken, counts)):
+        row: list[Cell] = [None] * world
+        idle = []
+        for r in range(world):
+            if taken[r] < counts[r]:
+                row[r] = (r, taken[r])
+                taken[r] += 1
+            else:
+                idle.append(r)
+        for r in idle:
+            donor = max(range(world), key=lambda d: (counts[d] - taken[d], -d))
+            if counts[donor] > taken[donor]:
+                row[r] = (donor, taken[donor])
+                taken[donor] += 1
+        steps.append(row)
+    return steps
+
+
+class Rebalancer(abc.ABC):
+    """What both rebalancers share, and what the JoinLoader, the algorithm and resumption use of them.
+
+    :class:`RebalancingLoader` (every rank has a ``len()``: a planned schedule) and
+    :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer` (some rank has none: step by step) both
+    wrap this rank's own dataloader, beneath the :class:`~composer_join.join.loader.JoinLoader`, and move
+    batches through a :class:`~composer_join.rebalance.transfer.BatchChannel`.
+
+    Args:
+        dataloader: this rank's own dataloader.
+        counts: every rank's batches per epoch (the same list on every rank; ``None`` where a rank
+            has no ``len()``, with :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer` only).
+        to_device: where transferred tensors go (the trainer's device).
+
+    Attributes:
+        channel: this rank's end of the batch transfers.
+        start, resumed_samples, resumed_bytes, count: resumption by a dataset that resumes itself
+            (Composer's ``dataset_state``): the JoinLoader sets ``start`` (the step the dataset
+            resumed at) before each iteration, the algorithm ``resumed_samples`` (own samples used
+            before it) and ``resumed_bytes`` (bytes this rank sent in the epoch before it); ``count``
+            counts a batch's samples (set by :func:`~composer_join.join.loader.join_dataloader`).
+    """
+
+    def __init__(
+        self,
+        dataloader: Iterable,
+        counts: Sequence[int],
+        to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ):
+        self.dataloader = dataloader
+        self.counts = list(counts)
+        self.rank = dist.get_global_rank()
+        self.to_device = to_device
+        self.channel = BatchChannel(to_device)
+        self.start = 0
+        self.resumed_samples = 0
+        self.resumed_bytes = 0
+        self.count: Callable[[Any], int] = lambda batch: 0
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent in the current epoch (its channel's count)."""
+        return self.channel.bytes_sent
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: int) -> None:
+        self.channel.bytes_sent = value
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes this rank received in the current epoch (its channel's count)."""
+        return self.channel.bytes_received
+
+    @bytes_received.setter
+    def bytes_received(self, value: int) -> None:
+        self.channel.bytes_received = value
+
+    @abc.abstractmethod
+    def __iter__(self) -> Iterator[Any]: ...
+
+    @abc.abstractmethod
+    def counts_per_rank(self) -> dict[str, list[int]]:
+        """Per rank: batches trained from its own shard, received, given away, this epoch."""
+
+    @abc.abstractmethod
+    def sent_bytes(self, steps: int) -> int:
+        """Bytes this rank sent for the first ``steps`` steps of the epoch (for a dataset that resumes itself)."""
+
+    @abc.abstractmethod
+    def consumed_samples(self, steps: int) -> int:
+        """Samples of this rank's own dataloader used by the first ``steps`` steps of the epoch (-1: uncountable).
+
+        What a dataset that resumes itself is handed at a mid-epoch checkpoint.
+        """
+
+    def complete(self, report: EpochReport) -> None:
+        """Fill the rebalancing fields of this epoch's ``report``, the same on every rank.
+
+        Called on every rank at ``EPOCH_END``: one all-reduce of ``W`` integers (the bytes each rank sent).
+        """
+        sent = torch.zeros(len(self.counts), dtype=torch.int64)
+        sent[self.rank] = self.bytes_sent
+        sent = self.to_device(sent)
+        dist.all_reduce(sent, reduce_operation='SUM')
+        counts = self.counts_per_rank()
+        report.own_batches, report.received_batches, report.given_batches = (
+            counts['own_batches'],
+            counts['received_batches'],
+            counts['given_batches'],
+        )
+        report.bytes_sent = [int(v) for v in sent.cpu().tolist()]
+
+
+class RebalancingLoader(Rebalancer):
+    """This rank's batches under the rebalancing :func:`schedule`: its own, minus those it gives, plus those received.
+
+    Args:
+        dataloader: this rank's own dataloader; it must yield exactly ``counts[rank]`` batches
+            per epoch (more, if ``own_len`` is larger: only the first ``counts[rank]`` are used).
+        counts: every rank's batches per epoch (the same list on every rank).
+        own_len: ``len(dataloader)``; if it equals ``counts[rank]``, a dataloader that yields
+            more than that is an error (its extra batches would be lost).
+        to_device: where transferred tensors go (the trainer's device).
+    """
+
+    def __init__(
+        self,
+        dataloader: Iterable,
+        counts: list[int],
+        own_len: Optional[int] = None,
+        to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ):
+        super().__init__(dataloader, counts, to_device)
+        self.steps = schedule(self.counts)
+        self.check_overflow = own_len == self.counts[self.rank]
+        self.assigned = [sum(1 for row in self.steps if row[r] is not None) for r in range(len(self.counts))]
+        """Every rank's batches per epoch under the schedule, own and received."""
+        self._read_samples: dict[int, int] = {}  # step -> samples of own batches read for it (trained or given)
+        self._sent: dict[int, int] = {}  # step -> bytes sent for it
+
+    def sent_bytes(self, steps: int) -> int:
+        """Bytes this rank sent for the first ``steps`` steps of the epoch (batches are sent a step ahead)."""
+        return (self.resumed_bytes if self.start else 0) + sum(n for s, n in self._sent.items() if s < steps)
+
+    def consumed_samples(self, steps: int) -> int:
+        """Samples of this rank's own dataloader used by the first ``steps`` steps of the epoch (-1: uncountable)."""
+        read = [n for s, n in self._read_samples.items() if s < steps]
+        base = self.resumed_samples if self.start else 0
+        return -1 if min([base, *read]) < 0 else base + sum(read)
+
+    def __len__(self) -> int:
+        return self.assigned[self.rank]
+
+    @property
+    def length(self) -> int:
+        """Steps per epoch on every rank: the longest assigned count."""
+        return len(self.steps)
+
+    def counts_per_rank(self) -> dict[str, list[int]]:
+        """Per rank: batches trained from its own shard, received, given away (from the schedule)."""
+        world = len(self.counts)
+        own, received, given = [0] * world, [0] * world, [0] * world
+        for row in self.steps:
+            for r, cell in enumerate(row):
+                if cell is None:
+                    continue
+                if cell[0] == r:
+                    own[r] += 1
+                else:
+                    received[r] += 1
+                    given[cell[0]] += 1
+        return {'own_batches': own, 'received_batches': received, 'given_batches': given}
+
+    def __iter__(self) -> Iterator[Any]:
+        self.bytes_sent, self.bytes_received = self.resumed_bytes if self.start else 0, 0
+        self._read_samples, self._sent = {}, {}
+        reader = _Reader(self.dataloader, self.counts[self.rank], self.check_overflow)
+        reader.read = sum(1 for row in self.steps[: self.start] for c in row if c is not None and c[0] == self.rank)
+        if self.start:  # a dataset that resumed itself applies its state at its next iteration: this one
+            reader._it = iter(self.dataloader)
+        for step, row in enumerate(self.steps):
+            if step < self.start:
+                continue
+            cell = row[self.rank]
+            if cell is None:
+                return
+            if cell[0] != self.rank:
+                yield self.channel.receive(cell[0], step)
+                continue
+            receivers = [q for q, c in enumerate(row) if c is not None and c[0] == self.rank and q != self.rank]
+            failure: Optional[BaseException] = None
+            batches: list[Any] = []
+            try:
+                for _ in range(1 + len(receivers)):
+                    batches.append(reader.next())
+                counts = [self.count(b) for b in batches]
+                self._read_samples[step] = -1 if min(counts) < 0 else sum(counts)
+                reader.check_end()
+            except Exception as e:  # the receivers must hear of it, or they would wait forever
+                failure = e
+            before = self.bytes_sent
+            for i, q in enumerate(receivers):
+                refused = self.channel.send(batches[i + 1] if failure is None else None, q, step)
+                failure = failure or refused
+            self._sent[step] = self.bytes_sent - before
+            if failure is not None:
+                raise failure
+            yield batches[0]
+
+
+class _Reader:
+    """Reads this rank's own batches in order, checking the dataloader against its promised count."""
+
+    def __init__(self, dataloader: Iterable, count: int, check_overflow: bool):
+        self.dataloader, self.count, self.check_overflow = dataloader, count, check_overflow
+        self._it: Optional[Iterator] = None
+        self.read = 0
+
+    def next(self) -> Any:
+        if self._it is None:
+            self._it = iter(self.dataloader)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            raise UnevenInputsError(
+                f"rank {dist.get_global_rank()}'s dataloader yielded {self.read} batches, but its len() promised "
+                f"{self.count}; UnevenJoin(mode='rebalance') plans every rank's batches from the len()s, so they "
+                f"must be exact (or use mode='shadow')",
+            ) from None
+        self.read += 1
+        return batch
+
+    def check_end(self) -> None:
+        """After the last promised batch: fail if the dataloader has more (they would be silently dropped)."""
+        if self.read == self.count and self.check_overflow and self._it is not None:
+            try:
+                next(self._it)
+            except StopIteration:
+                return
+            raise UnevenInputsError(
+                f'the dataloader of rank {dist.get_global_rank()} yielded more than the {self.count} batches per '
+                f'epoch its len() promised; the extra batches would be silently dropped. Make __len__ match what '
+                f'it yields.',
+            )
+
+
+def rebalanced(
+    dataloader: Iterable,
+    counts: list[int],
+    shared: Optional[int],
+    check_overflow: bool,
+    to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> tuple[Iterable, Optional[int], bool, list[Optional[int]]]:
+    """``(dataloader, shared length, check_overflow, every rank's length)`` for the JoinLoader, rebalanced.
+
+    ``counts`` are every rank's batches per epoch (from the length agreement), all known: when some
+    rank has no ``len()``, :func:`~composer_join.join.loader.join_dataloader` uses
+    :func:`~composer_join.rebalance.readahead.rebalanced_without_len` instead, which rebalances step by step.
+    Returns a :class:`RebalancingLoader`, the steps per epoch (:attr:`RebalancingLoader.length`),
+    ``False`` (the loader checks its own dataloader's overflow) and every rank's assigned count
+    (:attr:`RebalancingLoader.assigned`), from which the JoinLoader plans the steps before the
+    shortest one's last batch without agreeing. ``shared`` and ``check_overflow`` (the length
+    agreement's) are replaced by these.
+    """
+    loader = RebalancingLoader(dataloader, counts, len_or_none(dataloader), to_device)
+    return loader, loader.length, False, loader.assigned  # type: ignore[return-value]

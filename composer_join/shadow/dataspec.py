@@ -1,0 +1,130 @@
+"""The ``DataSpec`` Composer counts and splits batches with, as UnevenJoin must count and split them too.
+
+Composer counts a batch's samples with its ``DataSpec``'s ``get_num_samples_in_batch`` and splits
+it into microbatches with its ``split_batch``; either may be the user's own (``DataSpec(loader,
+get_num_samples_in_batch=..., split_batch=...)``). UnevenJoin's per-step agreement, its per-rank
+report and its microbatch bookkeeping (DDP's last-microbatch sync under ``multi_auto_sync``,
+FSDP's padding) use the same functions:
+
+* :func:`spec_for`: the ``DataSpec`` of the dataloader being wrapped (the trainer's train
+  ``DataSpec``, or the evaluator's), found from inside one of Composer's events;
+  :func:`train_data_spec`: the trainer's train ``DataSpec`` itself, found on the call stack;
+* :func:`count_microbatches`: Composer's default split makes ``ceil(samples / microbatch size)``
+  microbatches (computed, nothing split); a custom ``split_batch`` is called on the batch and its
+  microbatches counted;
+* :class:`ShadowSplit`: a shadow batch (zero samples) must be exactly one microbatch on every rank,
+  whatever the ``split_batch``: Composer's default cannot split an empty list (``range()`` with a
+  step of 0), and a custom one may return no microbatch at all. Installed on the ``DataSpec``, it
+  hands a batch the ``DataSpec`` counts as zero samples back whole, and splits every other batch
+  as before.
+
+Example::
+
+    spec = ShadowSplit.installed(spec_for(state, dataloader))
+    count_microbatches(spec, batch, 4, samples=10)  # 3 with Composer's default split
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, Optional
+
+from composer.core import DataSpec, State
+from composer.core.data_spec import _default_split_batch
+
+__all__ = ['ShadowSplit', 'count_microbatches', 'count_samples', 'spec_for', 'train_data_spec', 'unwrapped_split']
+
+_COUNT_ERRORS = (ValueError, NotImplementedError, TypeError, AttributeError, IndexError, KeyError)
+
+
+def train_data_spec(state: State) -> Optional[DataSpec]:
+    """The ``DataSpec`` the running ``Trainer`` splits train batches with, found from inside one of its events.
+
+    Composer keeps it on the ``Trainer`` (``_train_data_spec``), which algorithms are not given;
+    this looks for the ``Trainer`` whose ``state`` is ``state`` on the call stack. None if not found.
+    """
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get('self')
+        if getattr(owner, 'state', None) is state:
+            spec = getattr(owner, '_train_data_spec', None)
+            if isinstance(spec, DataSpec):
+                return spec
+        frame = frame.f_back
+    return None
+
+
+def spec_for(state: State, dataloader: Any) -> DataSpec:
+    """The ``DataSpec`` Composer uses for ``state.dataloader`` (its label says which); ``DataSpec(dataloader)`` if unknown."""
+    label = state.dataloader_label
+    if label == 'train':
+        spec = train_data_spec(state)
+        if spec is not None:
+            return spec
+    for evaluator in state.evaluators:
+        if evaluator.label == label and isinstance(evaluator.dataloader, DataSpec):
+            return evaluator.dataloader
+    return DataSpec(dataloader)
+
+
+def unwrapped_split(spec: DataSpec) -> Callable[[Any, Any], Any]:
+    """``spec.split_batch`` without UnevenJoin's wrappers.
+
+    They are :class:`ShadowSplit` and :class:`~composer_join.shadow.padding.MicrobatchPadding`.
+    """
+    split = spec.split_batch
+    while getattr(split, 'uneven_join_wrapper', False):
+        split = split.split  # type: ignore[attr-defined]  # one of UnevenJoin's wrappers
+    return split
+
+
+def _wrappers(split: Any) -> list:
+    found = []
+    while getattr(split, 'uneven_join_wrapper', False):
+        found.append(split)
+        split = split.split
+    return found
+
+
+def count_samples(spec: DataSpec, batch: Any) -> int:
+    """``spec.get_num_samples_in_batch(batch)``, or -1 if it cannot count it."""
+    try:
+        return int(spec.get_num_samples_in_batch(batch))
+    except _COUNT_ERRORS:
+        return -1
+
+
+def count_microbatches(spec: DataSpec, batch: Any, microbatch_size: Any, samples: int) -> int:
+    """Microbatches Composer will split ``batch`` into (``samples`` of them counted by ``spec``); 0 if unknown."""
+    if not isinstance(microbatch_size, int) or microbatch_size <= 0:
+        return 0
+    split = unwrapped_split(spec)
+    if split is _default_split_batch:
+        return max(1, -(-samples // microbatch_size)) if samples >= 0 else 0
+    try:
+        return max(1, len(list(split(batch, microbatch_size))))
+    except Exception:  # the user's split_batch refuses this batch here; Composer will say so when it splits
+        return 0
+
+
+class ShadowSplit:
+    """``split_batch`` for a ``DataSpec`` that returns a zero-sample (shadow) batch whole: one microbatch."""
+
+    uneven_join_wrapper = True
+
+    def __init__(self, spec: DataSpec, split: Callable[[Any, Any], Any]):
+        self.spec, self.split = spec, split
+
+    @classmethod
+    def installed(cls, spec: DataSpec) -> DataSpec:
+        """Wrap ``spec.split_batch`` (once; before FSDP's padding wraps it, which then pads one shadow microbatch)."""
+        if not any(isinstance(s, cls) for s in _wrappers(spec.split_batch)):
+            spec.split_batch = cls(spec, spec.split_batch)
+        return spec
+
+    def __call__(self, batch: Any, microbatch_size: Any) -> Any:
+        if count_samples(self.spec, batch) == 0:
+            return [batch]
+        return self.split(batch, microbatch_size)

@@ -1,0 +1,155 @@
+"""Padding every rank's microbatches to the step's largest count, so that every rank runs as many.
+
+Where every microbatch issues collectives, every rank must run the same number of microbatches
+in a step, even when their batches split into different counts (stock Composer hangs there).
+:class:`MicrobatchPadding` wraps a ``DataSpec``'s ``split_batch``: a rank with fewer microbatches
+than the step's largest (each rank's count travels in the step's agreement,
+:attr:`~composer_join.core.plan.RankStatus.microbatches`) appends empty ones, which UnevenJoin runs as
+shadow microbatches (gradient weight zero, counted as zero samples). On steps planned from the
+lengths alone the other ranks' counts are unknown, so the ranks agree on them there (one
+all-reduce of one integer). Used by:
+
+* :class:`~composer_join.wrappers.fsdp.FSDPWrapper`: FSDP all-gathers and reduce-scatters on every
+  microbatch, so it pads every training and evaluation step;
+* :class:`~composer_join.wrappers.ddp.DDPWrapper`: where the forward itself communicates
+  (``SyncBatchNorm``), it pads; otherwise it only counts each rank's microbatches and the step's
+  largest, for automatic microbatching's OOM checks (:mod:`composer_join.interop.oom`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from composer.core import DataSpec
+from composer.utils import dist
+
+from composer_join.core.batches import first_samples
+from composer_join.core.errors import UnevenInputsError
+from composer_join.core.plan import StepPlan
+from composer_join.interop.oom import OOMChecks
+
+__all__ = ['MicrobatchPadding']
+
+
+class MicrobatchPadding:
+    """Pads the microbatch list of one ``DataSpec`` to the step's largest count across ranks.
+
+    Installed once per ``DataSpec`` (:meth:`install`); every call of its ``split_batch`` then
+    splits as before and appends ``max - own`` empty microbatches (the first microbatch cut to
+    zero samples). ``plan()`` is the current step's :class:`~composer_join.core.plan.StepPlan`; without
+    one (no UnevenJoin step running) nothing is padded. Cost: nothing beyond the padding itself.
+    Counts are the ``DataSpec``'s own (its ``split_batch``, :mod:`composer_join.shadow.dataspec`). A batch
+    that splits into more microbatches than counted when it was fetched (a ``batch_transforms``
+    that adds samples), or whose padding the ``DataSpec`` cannot count as empty, cannot be padded:
+    with ``failures`` set (by :class:`~composer_join.wrappers.fsdp.FSDPWrapper`) the error is kept, the first
+    microbatch runs on every rank, and every rank raises at its loss
+    (:meth:`~composer_join.wrappers.fsdp.GradientUnits.check`).
+
+    Example::
+
+        MicrobatchPadding.install(data_spec, lambda: algorithm.plan)
+        data_spec.split_batch(batch_of_2, 3)  # [2 samples]; [2 samples, 0 samples] if a rank has 2 microbatches
+    """
+
+    uneven_join_wrapper = True  # composer_join.shadow.dataspec.unwrapped_split sees through it
+    count: Optional[Callable[[Any], float]] = None  # the DataSpec's get_num_samples_in_batch (set by FSDPWrapper)
+    failures: Optional[list] = None  # if set, errors go here, to be raised on every rank at once (FSDPWrapper)
+
+    def __init__(
+        self,
+        split: Callable[[Any, Any], Any],
+        plan: Callable[[], Optional[StepPlan]],
+        to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        pad: bool = True,
+        checks: Optional[OOMChecks] = None,
+        needed: Callable[[], bool] = lambda: True,
+    ):
+        self.split = split
+        self.plan = plan
+        self.to_device = to_device
+        self.pad = pad  # False (DDP under automatic microbatching): only count, for ``checks``
+        self.checks = checks  # told this rank's count and the step's largest (automatic microbatching)
+        self.needed = needed  # whether to count at all (pad=False)
+        self.last_count = 0  # microbatches of the last split, padding included
+
+    @classmethod
+    def install(
+        cls,
+        spec: DataSpec,
+        plan: Callable[[], Optional[StepPlan]],
+        to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        pad: bool = True,
+        checks: Optional[OOMChecks] = None,
+        needed: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Pad ``spec``'s microbatches from now on (once per ``DataSpec``; again only updates the settings)."""
+        if not isinstance(spec.split_batch, cls):
+            spec.split_batch = cls(spec.split_batch, plan, to_device, pad, checks, needed)
+        else:
+            padding = spec.split_batch
+            padding.plan, padding.to_device, padding.pad, padding.checks, padding.needed = (
+                plan,
+                to_device,
+                pad,
+                checks,
+                needed,
+            )
+
+    def __call__(self, batch: Any, microbatch_size: Any) -> list:
+        microbatches = list(self.split(batch, microbatch_size))
+        self.last_count = len(microbatches)
+        plan = self.plan()
+        if plan is None or not plan.active_ranks or not (self.pad or self.needed()):
+            return microbatches
+        counts = [s.microbatches for s in plan.statuses]  # for the microbatch size in force (StepPlan.recounted)
+        if 0 in counts:
+            # Not all counts are known (a step planned from the lengths alone, or batches Composer's
+            # default DataSpec cannot count): every rank is here, so agree on them now (one all-reduce).
+            mine = self.to_device(torch.tensor([len(microbatches)]))
+            dist.all_reduce(mine, reduce_operation='MAX')
+            counts = [int(mine.item())]
+        target = max(counts)
+        if self.checks is not None:
+            self.checks.own, self.checks.target = target if self.pad else len(microbatches), target
+        if len(microbatches) > target:
+            return self._fail(
+                microbatches,
+                UnevenInputsError(
+                    f'split_batch gave {len(microbatches)} microbatches on rank {dist.get_global_rank()} at step '
+                    f"{plan.step}, more than the {target} counted when the batch was fetched (with the DataSpec's "
+                    f"split_batch, before its batch_transforms); under FSDP every rank runs the step's largest count, "
+                    f'so a batch must split the same way when fetched and when trained (a batch_transforms that adds '
+                    f'samples, e.g., does not).',
+                ),
+            )
+        if not self.pad:
+            return microbatches
+        padding = [first_samples(microbatches[0], 0) for _ in range(target - len(microbatches))]
+        if padding and not _counts_as_empty(padding[0], self.count):
+            return self._fail(
+                microbatches,
+                UnevenInputsError(
+                    f'rank {dist.get_global_rank()} must pad step {plan.step} with {len(padding)} empty microbatches, but '
+                    f"its microbatches are not made of tensors that Composer's default DataSpec can count; under FSDP "
+                    f'with microbatching, batches must be tensors (or tuples, lists, dicts of them).',
+                ),
+            )
+        self.last_count = len(microbatches) + len(padding)
+        return microbatches + padding
+
+    def _fail(self, microbatches: list, error: UnevenInputsError) -> list:
+        """Raise ``error`` here, or (``failures`` set) keep it for the first microbatch's check, which every rank runs."""
+        if self.failures is None:
+            raise error
+        self.failures.append(error)
+        return microbatches
+
+
+def _counts_as_empty(batch: Any, count: Optional[Callable[[Any], float]] = None) -> bool:
+    """Whether the ``DataSpec`` (``count``; Composer's default if None) counts ``batch`` as zero samples, as UnevenJoin's shadow test does."""
+    try:
+        return (count(batch) if count is not None else DataSpec._default_get_num_samples_in_batch(None, batch)) == 0  # type: ignore[arg-type]  # self unused
+    except (ValueError, NotImplementedError, TypeError, AttributeError):
+        return False

@@ -1,0 +1,333 @@
+"""Inert shadow microbatches under DDP: the collectives of a forward and backward pass, and no user code.
+
+torch's own ``DistributedDataParallel.join`` shadows DDP without running the model: a joined rank
+issues what DDP's forward and backward would (``_DDPJoinHook.main_hook``). :class:`DDPShadow` does
+the same inside Composer's real training step, so nothing the model computes ever sees a shadow
+batch: no forward on stand-in data, no user loss, no BatchNorm update, no shape check, no
+data-chosen branch. For the duration of one shadow microbatch it stands in for
+``DistributedDataParallel.forward`` and for the ``ComposerModel``'s ``loss``:
+
+* the stand-in forward does what DDP's forward does besides running the module: rebuild the
+  gradient buckets (``reducer._rebuild_buckets``: once per training, a broadcast), broadcast the
+  buffers if this forward would (DDP's buffer hook, from UnevenJoin's buffer source), and note
+  whether this microbatch syncs gradients (``require_backward_grad_sync``, as ``_post_forward``);
+* the stand-in loss has the structure the model's real loss had on this rank (a tensor, a tuple,
+  a dict with the same keys, so Composer's per-key loss all-reduces match), with value ``0``;
+* its backward pass, if the microbatch syncs, issues DDP's backward collectives in DDP's order:
+  one all-reduce per gradient bucket (zeros, ``_match_all_reduce_for_bwd_pass``) and, with
+  ``find_unused_parameters``, the used-parameter map (zeros: this rank used nothing,
+  ``_match_unused_params_allreduce``). Unlike torch's join, the reduced buckets are written to
+  this rank's gradients, so the rank takes the same optimizer step as the others; a parameter no
+  rank used keeps ``grad = None``, so the optimizer leaves it (and its momentum) alone.
+
+Cost of a shadow microbatch: the collectives only (and a copy of each reduced bucket into the
+gradients); no forward or backward computation.
+
+Where the forward itself communicates (``SyncBatchNorm``, or a module with
+``shadow_forward = True``), the model must run: see :func:`forward_communicates`; the loss is
+then :func:`connected_zero_loss`, never the model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from composer_join.core.batches import map_tensors
+
+__all__ = [
+    'DDPShadow',
+    'ForwardProbe',
+    'LossShape',
+    'StandIn',
+    'connected_zero_loss',
+    'forward_communicates',
+    'skippable',
+]
+
+
+class StandIn:
+    """Instance attributes set for one microbatch, then put back exactly as they were.
+
+    A stand-in forward or loss goes on the instance (``ddp.forward``, ``model.loss``), where it
+    shadows the class's method. :meth:`remove` restores the instance's own earlier value if it had
+    one (a user's or another tool's patch), else deletes the attribute. Idempotent.
+
+    Example:
+        >>> class Model:
+        ...     def loss(self):
+        ...         return 'real'
+        >>> m = Model()
+        >>> m.loss = lambda: 'patched by the user'
+        >>> stand_in = StandIn()
+        >>> stand_in.install(m, loss=lambda: 'zero')
+        >>> m.loss(), stand_in.remove(), m.loss()
+        ('zero', None, 'patched by the user')
+    """
+
+    _MISSING = object()
+
+    def __init__(self):
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._saved)
+
+    def install(self, obj: Any, **attributes: Any) -> None:
+        for name, value in attributes.items():
+            self._saved.append((obj, name, obj.__dict__.get(name, self._MISSING)))
+            setattr(obj, name, value)
+
+    def remove(self) -> None:
+        for obj, name, previous in reversed(self._saved):
+            if previous is self._MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, previous)
+        self._saved = []
+
+
+def forward_communicates(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward issues collectives, so a shadow microbatch must run it.
+
+    True if it holds a ``torch.nn.SyncBatchNorm``, or a submodule with a true ``shadow_forward``
+    attribute (set it on a module of your own that all-reduces statistics in its forward; it must
+    then accept a zero-sample input and leave that rank out, as ``SyncBatchNorm`` does).
+    """
+    return any(isinstance(m, torch.nn.SyncBatchNorm) or getattr(m, 'shadow_forward', False) for m in module.modules())
+
+
+def skippable(ddp: DistributedDataParallel) -> Optional[str]:
+    """None if :class:`DDPShadow` can stand in for ``ddp``'s forward and backward, else why not."""
+    if forward_communicates(ddp.module):
+        return 'its forward communicates (SyncBatchNorm or shadow_forward=True)'
+    if (
+        getattr(ddp, 'static_graph', False)
+        or getattr(ddp, '_use_python_reducer', False)
+        or getattr(ddp, '_delay_all_reduce_all_params', False)
+        or getattr(ddp, 'reducer', None) is None
+    ):
+        return 'DDP runs with static_graph, a compiled or python reducer, or delayed all-reduces'
+    if any(ddp._build_params_for_reducer()[1]):
+        return 'a module produces sparse gradients'
+    return None
+
+
+_COLLECTIVES = (
+    'all_reduce',
+    'all_gather',
+    'all_gather_into_tensor',
+    'reduce_scatter',
+    'reduce_scatter_tensor',
+    'all_to_all',
+    'all_to_all_single',
+    'broadcast',
+    'reduce',
+    'gather',
+    'scatter',
+    'barrier',
+)
+
+
+class ForwardProbe:
+    """Notes the ``torch.distributed`` collectives a module's forward issues, during its first forward only.
+
+    Under DDP a shadow microbatch runs no forward, so a forward that communicates (and is not
+    marked, see :func:`forward_communicates`) would leave the other ranks' collectives unmatched.
+    Every rank runs a forward in its first microbatch of a fit (a real one, or, with no data, the
+    template's), so every rank learns the same :attr:`found`. Cost: two hooks that check a flag;
+    the first forward of each fit wraps the collective functions while it runs.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.armed = False
+        self.found: list[str] = []
+        self._saved: dict[str, Any] = {}
+        module.register_forward_pre_hook(self._start)
+        module.register_forward_hook(self._stop)
+
+    def _start(self, module, _args) -> None:
+        if not self.armed or not module.training:  # a training forward (an evaluation may come first)
+            return
+        if self._saved:  # the last probed forward raised (a CUDA OOM that Composer retries): probe this one afresh
+            self._restore()
+            self.found = []
+        import torch.distributed as tdist
+
+        for name in _COLLECTIVES:
+            original = getattr(tdist, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                self.found.append(_name)
+                return _original(*args, **kwargs)
+
+            setattr(tdist, name, counted)
+
+    def _stop(self, _module, _args, _output) -> None:
+        if not self.armed or not self._saved:
+            return
+        self._restore()
+        self.armed = False
+
+    def _restore(self) -> None:
+        import torch.distributed as tdist
+
+        for name, original in self._saved.items():
+            setattr(tdist, name, original)
+        self._saved = {}
+
+
+class LossShape:
+    """The structure of a model's loss (a tensor, or a tuple, list or dict of them), to stand in for it.
+
+    :meth:`record` it from a real loss; :meth:`zeros` gives the same structure with every tensor
+    replaced by ``value`` (keys and order kept). ``known`` is False until a real loss was recorded.
+    """
+
+    def __init__(self):
+        self._skeleton: Any = None
+        self.known = False
+
+    def record(self, loss: Any) -> None:
+        self._skeleton = map_tensors(lambda t: None, loss)
+        self.known = True
+
+    def zeros(self, value: torch.Tensor) -> Any:
+        def fill(skeleton: Any) -> Any:
+            if skeleton is None:  # where a tensor was
+                return value
+            if isinstance(skeleton, dict):
+                items = {k: fill(v) for k, v in skeleton.items()}
+                try:
+                    return type(skeleton)(items)
+                except TypeError:
+                    return items
+            if isinstance(skeleton, (list, tuple)):
+                values = [fill(v) for v in skeleton]
+                return type(skeleton)(*values) if hasattr(skeleton, '_fields') else type(skeleton)(values)
+            return skeleton
+
+        return fill(self._skeleton)
+
+
+def connected_zero_loss(shape: LossShape, outputs: Any) -> Any:
+    """A loss of ``shape``'s structure whose value is ``0`` and whose backward reaches every output tensor.
+
+    For a shadow microbatch whose forward must run (DDP with ``SyncBatchNorm``: on zero samples;
+    FSDP: on the template): its backward then runs the backward collectives of the forward's
+    modules (``SyncBatchNorm``'s all-reduce, FSDP's reduce-scatters) like the other ranks', with
+    zero gradients, and the model's own loss, which may not cope with so few samples (top-k
+    mining, contrastive pairs), never runs. ``shape`` unknown: a scalar.
+    """
+    parts: list[torch.Tensor] = []
+    map_tensors(lambda t: parts.append(t.sum()) if t.requires_grad else None, outputs)
+    value = sum(parts) * 0.0 if parts else torch.zeros((), requires_grad=True)
+    return shape.zeros(value) if shape.known else value  # type: ignore[arg-type]  # sum() of tensors: a tensor
+
+
+class _MatchBackward(torch.autograd.Function):
+    """Identity on a zero scalar; its backward issues DDP's backward collectives (see :class:`DDPShadow`)."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, shadow: DDPShadow) -> torch.Tensor:
+        ctx.shadow = shadow
+        return anchor.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.shadow.match_backward()
+        return None, None
+
+
+def _bucket_view(segment: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient in its bucket's ``segment``, laid out as DDP's reducer lays it out.
+
+    The reducer stores a dense parameter's gradient in the parameter's own strides (a channels-last
+    convolution weight, say: ``initialize_bucket_views`` in torch's ``reducer.cpp``), any other one
+    contiguously.
+    """
+    expected, dense = 1, True
+    for d in sorted(range(param.dim()), key=param.stride):
+        if param.size(d) != 1 and param.stride(d) != expected:
+            dense = False
+        expected *= param.size(d)
+    return segment.as_strided(param.size(), param.stride()) if dense else segment.view_as(param)
+
+
+class DDPShadow:
+    """Stands in for one DDP model's forward and its ``ComposerModel.loss`` during shadow microbatches.
+
+    :meth:`install` before the forward of a shadow microbatch (``BEFORE_FORWARD``), :meth:`remove`
+    after its backward (``AFTER_BACKWARD``), on the rank that shadows. Record the model's loss of
+    real microbatches in :attr:`loss_shape` (``AFTER_LOSS``), so the stand-in has its structure.
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, model: torch.nn.Module, device: torch.device):
+        self.ddp = ddp
+        self.model = model  # the ComposerModel whose loss() Composer calls
+        self.device = device
+        self.loss_shape = LossShape()
+        self._params = ddp._build_params_for_reducer()[0]  # the reducer's variable order (its used map)
+        self._sync = False
+        self._stand_in = StandIn()
+
+    def install(self) -> None:
+        self._stand_in.install(self.ddp, forward=self._forward)
+        self._stand_in.install(self.model, loss=self._loss)
+
+    def remove(self) -> None:
+        self._stand_in.remove()
+
+    def _forward(self, *args, **kwargs) -> Any:
+        """What ``DistributedDataParallel.forward`` communicates, in its order, without the module."""
+        ddp = self.ddp
+        grad = torch.is_grad_enabled()
+        if grad:
+            ddp.reducer._rebuild_buckets()  # a broadcast, once per training, where DDP's _pre_forward does it
+        if ddp._check_sync_bufs_pre_fwd():
+            ddp._sync_buffers()
+        if ddp._check_sync_bufs_post_fwd():
+            ddp._sync_buffers()
+        self._sync = grad and ddp.require_backward_grad_sync
+        ddp.require_forward_param_sync = self._sync
+        return None
+
+    def _loss(self, outputs: Any, batch: Any) -> Any:
+        anchor = torch.zeros((), device=self.device, requires_grad=True)
+        return self.loss_shape.zeros(_MatchBackward.apply(anchor, self))
+
+    def match_backward(self) -> None:
+        """DDP's backward collectives with this rank's gradients zero; the reduced gradients written back."""
+        if not self._sync:
+            return
+        self._sync = False
+        reducer = self.ddp.reducer
+        buckets = reducer._get_zeros_like_grad_buckets()
+        futures = [reducer._run_comm_hook(bucket) for bucket in buckets]  # in bucket order, as the reducer
+        reduced = [f.wait() for f in futures]
+        used: Optional[list[int]] = None
+        if self.ddp.find_unused_parameters:
+            used_map = torch.zeros_like(reducer._get_local_used_map())
+            self.ddp.process_group.allreduce(used_map).wait()
+            used = used_map.tolist()
+        reducer._push_all_rebuilt_params()
+        index = {id(p): i for i, p in enumerate(self._params)}
+        with torch.no_grad():
+            for bucket, result in zip(buckets, reduced):
+                flat = result[0] if isinstance(result, (list, tuple)) else result
+                offset = 0
+                for p in bucket.parameters():
+                    n = p.numel()
+                    if used is None or used[index[id(p)]]:
+                        value = _bucket_view(flat[offset : offset + n], p)
+                        if p.grad is None:
+                            p.grad = value.clone()
+                        else:
+                            p.grad.copy_(value)
+                    offset += n

@@ -1,0 +1,316 @@
+"""The places where UnevenJoin reaches into torch's ``DistributedDataParallel``.
+
+* :func:`broadcast_buffers_from`: DDP broadcasts module buffers (BatchNorm statistics) from rank 0
+  before each synced forward. Once rank 0 has run out of data its buffers are stale, so, as torch's
+  own join does, the broadcast must come from a rank that still has data. This registers a buffer
+  hook that runs DDP's own coalesced broadcast, from the rank a callable names. Same collectives,
+  same cost, one different source.
+* a shadow forward must not fold the stand-in batch into the model's buffers: a
+  :class:`~composer_join.shadow.buffers.BufferGuard` on the wrapped module snapshots them after DDP's
+  broadcast and restores them after the backward pass.
+* :class:`MicrobatchSync`: every rank must issue the same gradient collectives in a step, even
+  when ranks split it into different numbers of microbatches.
+* :func:`sync_buffers`: buffers equal on every rank where they are read (before each evaluation,
+  at the end of ``fit``, before a checkpoint is saved): one broadcast from the buffer source, as
+  torch's join broadcasts the model at the end.
+* a shadow microbatch runs no model code at all (:class:`~composer_join.shadow.shadow.DDPShadow`): only
+  DDP's collectives. Where the forward itself communicates (``SyncBatchNorm``), it runs on the
+  zero-sample batch instead, every rank splits the step into the same number of microbatches
+  (:class:`~composer_join.shadow.padding.MicrobatchPadding`) and the loss is a zero-weighted sum of the
+  outputs (:func:`connected_zero_loss`); the buffers of other modules are guarded.
+* :class:`DDPWrapper`: the above behind the :class:`~composer_join.wrappers.wrapper.Wrapper` interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+from composer.core import State
+from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _BufferCommHookLocation
+
+from composer_join.core.errors import UnevenInputsError
+from composer_join.core.plan import StepPlan
+from composer_join.interop.oom import OOMChecks
+from composer_join.shadow.buffers import BufferGuard
+from composer_join.shadow.dataspec import train_data_spec
+from composer_join.shadow.gradients import share_grad_presence
+from composer_join.shadow.padding import MicrobatchPadding
+from composer_join.shadow.shadow import (
+    DDPShadow,
+    ForwardProbe,
+    LossShape,
+    StandIn,
+    connected_zero_loss,
+    forward_communicates,
+    skippable,
+)
+from composer_join.wrappers.wrapper import Wrapper
+
+__all__ = ['BufferSource', 'DDPWrapper', 'MicrobatchSync', 'broadcast_buffers_from', 'sync_buffers']
+
+
+def broadcast_buffers_from(ddp: DistributedDataParallel, source_rank: Callable[[], int]) -> None:
+    """Make ``ddp`` broadcast its buffers from ``source_rank()`` instead of rank 0, before each synced forward."""
+
+    def hook(_state, named_buffers: dict[str, torch.Tensor]) -> None:
+        ddp._default_broadcast_coalesced(bufs=list(named_buffers.values()), authoritative_rank=source_rank())
+
+    ddp._register_buffer_comm_hook(None, hook, comm_hook_location=_BufferCommHookLocation.PRE_FORWARD)
+
+
+def sync_buffers(ddp: DistributedDataParallel, source: int) -> None:
+    """Broadcast ``ddp``'s buffers from rank ``source`` (all ranks call it), if DDP broadcasts buffers at all."""
+    if not ddp.broadcast_buffers:
+        return
+    ddp._assign_modules_buffers()  # buffers the forward replaced (self.count = self.count + 1)
+    if len(ddp.modules_buffers) > 0:
+        with torch.no_grad():
+            ddp._default_broadcast_coalesced(authoritative_rank=source)
+
+
+class BufferSource:
+    """The rank whose buffers DDP broadcasts: rank 0 (as stock DDP) until it runs out of data, then a rank with data.
+
+    Unlike torch's join, which takes the highest rank with data at every step, the source only
+    moves when it must: a rank that shadowed the end of the last epoch missed that epoch's final
+    buffer updates, so making it the source when the next epoch starts would drop them. Call
+    :meth:`update` once per step, with the step's plan, on every rank.
+    """
+
+    def __init__(self):
+        self.rank = 0
+
+    def update(self, plan: StepPlan) -> None:
+        if not plan.has_batch(self.rank) and plan.active_ranks:
+            self.rank = plan.active_ranks[-1]
+
+
+class MicrobatchSync:
+    """Makes every rank issue the same gradient collectives in a step, whatever its microbatch count.
+
+    * ``multi_auto_sync`` syncs every microbatch. On a step whose ranks have different microbatch
+      counts, or where the others' counts are not known (a step planned from the lengths, see
+      :func:`~composer_join.core.plan.plan_from_lengths`: batch sizes may vary on any step, e.g. with
+      token-budget batching), only each rank's last microbatch syncs: DDP all-reduces the
+      gradient accumulated over all of them, so the sum is the same, in one sync per rank.
+    * ``forced_sync`` all-reduces ``p.grad`` by hand after the last microbatch, skipping ``None``
+      gradients; on steps with a joined rank, or with ``find_unused_parameters``, a zero gradient
+      is given where another rank has one (:func:`share_grad_presence`, one small collective).
+    * ``single_auto_sync`` already syncs once per rank per step: nothing to do.
+
+    A rank's last microbatch is the one that completes its batch's sample count. Call
+    :meth:`start_step` once per step, :meth:`before_forward` and :meth:`after_backward` around
+    every microbatch, on every rank. Cost: one sample count per microbatch.
+    """
+
+    def __init__(self, padded: Optional[Callable[[], int]] = None):
+        self.seen = 0  # samples of this step's microbatches so far
+        self.index = 0  # microbatches of this step so far
+        self.suppressed = False  # this microbatch's sync was turned off here
+        self.manual = False  # this is the last microbatch and Composer syncs by hand after it
+        self.padded = padded  # every rank runs this many microbatches (padding): Composer's own syncs match
+
+    def start_step(self, ddp: Optional[DistributedDataParallel] = None) -> None:
+        self.seen = 0
+        self.index = 0
+        if self.suppressed and ddp is not None:  # a retry after an OOM (automatic microbatching) left it off
+            ddp.require_backward_grad_sync = True
+        self.suppressed = self.manual = False
+
+    def before_forward(self, ddp: DistributedDataParallel, plan: StepPlan, rank: int, samples: int) -> None:
+        """Before the forward of a microbatch of ``samples`` samples (inside Composer's sync context)."""
+        mine = plan.statuses[rank].samples
+        self.seen += samples
+        self.index += 1
+        if self.padded is not None:
+            self.manual = self.index == self.padded() and not ddp.require_backward_grad_sync
+            return
+        final = 0 <= mine <= self.seen
+        if ddp.require_backward_grad_sync and not final and not plan.even_microbatches:
+            ddp.require_backward_grad_sync = False
+            self.suppressed = True
+        self.manual = final and not ddp.require_backward_grad_sync
+
+    def after_backward(
+        self,
+        ddp: DistributedDataParallel,
+        plan: StepPlan,
+        optimizers: Sequence[torch.optim.Optimizer],
+        to_device: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """After the backward of the same microbatch."""
+        if self.suppressed:
+            ddp.require_backward_grad_sync = True
+            self.suppressed = False
+        if self.manual and (ddp.find_unused_parameters or plan.joined_ranks):
+            share_grad_presence(optimizers, to_device)
+        self.manual = False
+
+
+def disarm_after_retry(ddp: DistributedDataParallel) -> None:
+    """Reset ``ddp``'s reducer when Composer retries a step (automatic microbatching, after a CUDA OOM).
+
+    A microbatch whose forward ran with gradient sync on and whose backward never ran (Composer's
+    OOM check stopped it) leaves the reducer expecting a backward: the next backward, even one
+    meant not to sync, would all-reduce its gradients on this rank only. Every rank retries the
+    step, so every rank resets (torch's own ``Reducer._reset_state``, which ``DistributedDataParallel``
+    uses when its process group changes; its buckets are then rebuilt once, on every rank alike).
+    """
+    reducer = getattr(ddp, 'reducer', None)
+    if reducer is not None and hasattr(reducer, '_reset_state'):
+        reducer._reset_state()
+
+
+class DDPWrapper(Wrapper):
+    """UnevenJoin's DDP-specific part: buffer source and syncs, inert shadow microbatches, per-microbatch gradient sync.
+
+    Chosen by :func:`~composer_join.wrappers.wrapper_for` when ``state.model`` is a
+    ``DistributedDataParallel``. Hooks are installed once per DDP object, at its first ``FIT_START``.
+    A shadow microbatch runs one of three ways, decided once per DDP object:
+
+    * ``'skip'`` (the default): no model code (:class:`~composer_join.shadow.shadow.DDPShadow`). The
+      stand-in loss copies the structure of the model's loss, so a rank that has not computed
+      one yet (it had no data of its own) runs its first shadow microbatch the template way below;
+    * ``'zero'``, where the forward communicates (:func:`~composer_join.shadow.shadow.forward_communicates`):
+      the model's forward on the zero-sample batch, a zero loss connected to the outputs,
+      microbatch counts padded to the step's largest;
+    * ``'template'`` (DDP configurations the stand-in does not cover, see
+      :func:`~composer_join.shadow.shadow.skippable`): the forward and loss on two template samples,
+      gradient weight zero, buffers guarded.
+    """
+
+    def __init__(self, rank: int):
+        self._rank = rank
+        self._source = BufferSource()
+        self._sync = MicrobatchSync()
+        self._guard: Optional[BufferGuard] = None
+        self._hooked: Optional[DistributedDataParallel] = None
+        self._oom = OOMChecks()
+        self._first_microbatch = True
+        self._last_step: Optional[int] = None  # timestamp.batch of the last step started
+        self._stand_in: Optional[DDPShadow] = None
+        self.mode = 'template'
+        self._shadowing: Optional[str] = None  # how the current microbatch shadows (None: real)
+        self._padding: Any = None
+        self._probe: Optional[ForwardProbe] = None
+        self._zero_loss = StandIn()  # 'zero' mode: the stand-in loss on the model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {'buffer_source': self._source.rank}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._source.rank = int(state.get('buffer_source', 0))
+
+    def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        ddp = state.model
+        if ddp is not self._hooked:
+            broadcast_buffers_from(ddp, lambda: self._source.rank)
+            self._hooked = ddp
+            why = skippable(ddp)
+            if why is None:
+                self.mode = 'skip'
+                self._stand_in = DDPShadow(ddp, ddp.module, ddp.device)
+                self._probe = ForwardProbe(ddp.module)
+            elif forward_communicates(ddp.module):
+                self.mode = 'zero'
+            self._loss_shape = self._stand_in.loss_shape if self._stand_in is not None else LossShape()
+            self._guard = BufferGuard(
+                ddp.module, keep=lambda m: self.mode == 'zero' and isinstance(m, torch.nn.SyncBatchNorm)
+            )
+        if self._probe is not None:
+            self._probe.armed, self._probe.found = True, []
+        spec = train_data_spec(state)
+        if spec is not None:
+            # Forwards that communicate ('zero'): every rank runs the step's largest microbatch count (the
+            # padding FSDP uses). Otherwise only count microbatches, for automatic microbatching's OOM checks.
+            pad = self.mode == 'zero'
+            MicrobatchPadding.install(
+                spec,
+                plan,
+                state.device.tensor_to_device,
+                pad=pad,
+                checks=self._oom,
+                needed=lambda: pad or state.auto_microbatching,
+            )
+            if pad:
+                self._padding = spec.split_batch
+                self._sync.padded = lambda: self._padding.last_count
+
+    def fit_end(self, state: State) -> None:
+        sync_buffers(state.model, self._source.rank)
+
+    def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        if isinstance(state.model, DistributedDataParallel):
+            sync_buffers(state.model, self._source.rank)
+
+    def before_checkpoint(self, state: State) -> None:
+        sync_buffers(state.model, self._source.rank)
+
+    def start_step(self, plan: StepPlan) -> None:
+        self._sync.start_step(self._hooked)
+        self._first_microbatch = True
+        self._oom.start_step()
+        if self._guard is not None and self._guard.armed:  # a retry after an OOM in a shadow microbatch
+            self._guard.restore()
+        self._source.update(plan)
+
+    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
+        if self._first_microbatch:
+            self._first_microbatch, step = False, int(state.timestamp.batch)
+            if step == self._last_step and state.auto_microbatching:  # Composer retries this step
+                disarm_after_retry(state.model)
+            self._last_step = step
+        self._sync.before_forward(state.model, plan, self._rank, samples)
+        self._end_shadow(state)  # a microbatch that did not finish (e.g. an OOM retry) leaves no stand-in behind
+        if self._probe is not None and self._probe.found and plan.joined_ranks:
+            raise self._communicating_forward(plan)
+        if not shadow:
+            return False
+        if self.mode == 'skip' and self._stand_in.loss_shape.known:
+            self._shadowing = 'skip'
+            self._stand_in.install()
+            return True
+        self._shadowing = 'zero' if self.mode == 'zero' else 'template'
+        if self._guard is not None:
+            self._guard.armed = True
+        if self.mode == 'zero':
+            self._zero_loss.install(
+                state.model.module, loss=lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
+            )
+            return True  # the forward runs on the zero-sample batch itself
+        return False
+
+    def _communicating_forward(self, plan: StepPlan) -> UnevenInputsError:
+        kinds = ', '.join(sorted(set(self._probe.found)))
+        return UnevenInputsError(
+            f"at step {plan.step} rank(s) {plan.joined_ranks} must shadow, but the model's forward issues collectives "
+            f'({kinds}, seen in its first forward on every rank). Under DDP a shadow microbatch runs no forward, so '
+            f'they would not be matched. If the forward all-reduces statistics and accepts a zero-sample input that '
+            f'contributes nothing (as torch.nn.SyncBatchNorm does), set shadow_forward = True on that module: shadow '
+            f'microbatches then run the forward on zero samples. A forward that exchanges activations shaped like its '
+            f'batch cannot be shadowed: give every rank the same number of batches.',
+        )
+
+    def after_forward(self, state: State, plan: StepPlan) -> None:
+        self._oom.after_forward(state)
+
+    def after_loss(self, state: State, plan: StepPlan) -> None:
+        if self._shadowing in (None, 'template'):  # the model's own loss (on the template: a rank with no data yet)
+            self._loss_shape.record(state.loss)
+        self._oom.after_loss(state)
+
+    def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
+        self._oom.after_backward(state)  # automatic microbatching: before forced_sync's all-reduces
+        self._sync.after_backward(state.model, plan, state.optimizers, state.device.tensor_to_device)
+        self._end_shadow(state)
+
+    def _end_shadow(self, state: State) -> None:
+        if self._shadowing == 'skip':
+            self._stand_in.remove()
+        elif self._shadowing is not None:
+            self._zero_loss.remove()
+            self._guard.restore()
+        self._shadowing = None

@@ -149,7 +149,7 @@ def test_fsdp_unused_parameter_check_agrees_on_the_host_over_gloo(monkeypatch):
     """No GPU sync per microbatch: beside NCCL, the check's flags go over a gloo group made once."""
     import torch
 
-    from composer_join import fsdp
+    from composer_join.wrappers import fsdp
 
     made = []
     monkeypatch.setattr(fsdp, '_HOST_GROUP', [])

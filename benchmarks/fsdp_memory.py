@@ -22,11 +22,11 @@ from __future__ import annotations
 import os
 import resource
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / 'tests'))
+sys.path.insert(0, str(ROOT / 'benchmarks'))  # also on the ranks, which import this module as benchmarks.fsdp_memory
 
 FEATURES, WIDTH, CLASSES = 512, 2048, 10
 CASES = {
@@ -34,11 +34,6 @@ CASES = {
     'UnevenJoin, even': dict(shards=[256, 256], join=True),
     'UnevenJoin, uneven': dict(shards=[256, 150], join=True),
 }
-
-
-def _rss_mb() -> float:
-    with open('/proc/self/statm') as f:
-        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20
 
 
 def fit(wrapper: str, shards: list[int], join: bool) -> dict:
@@ -50,7 +45,9 @@ def fit(wrapper: str, shards: list[int], join: bool) -> dict:
     from composer.utils import dist
     from torch.utils.data import DataLoader
 
-    from composer_join import CollectiveCounter, UnevenJoin, is_shadow_step
+    import workloads
+    from common import rss_bytes
+    from composer_join import CollectiveCounter, UnevenJoin
     from rank_scenarios import ShardWithLen
     from scenarios_fsdp import cpu_fsdp_workarounds, parallelism
 
@@ -75,31 +72,25 @@ def fit(wrapper: str, shards: list[int], join: bool) -> dict:
         def loss(self, outputs, batch):
             return F.cross_entropy(outputs, batch[1])
 
-    class Probe(Callback):
-        def __init__(self):
-            self.start_rss, self.times, self.shadow, self.last = 0.0, [], [], 0.0
+    class StartRSS(Callback):
+        """The resident set at ``FIT_START`` (model and optimizer built, FSDP applied), MB."""
+
+        mb = 0.0
 
         def fit_start(self, state, logger):
-            self.start_rss = _rss_mb()
-            self.last = time.perf_counter()
-
-        def batch_end(self, state, logger):
-            now = time.perf_counter()
-            self.times.append(now - self.last)
-            self.last = now
-            self.shadow.append(is_shadow_step(state))
+            self.mb = rss_bytes() / 2**20
 
     g = torch.Generator().manual_seed(rank)
     n = shards[rank]
     data = ShardWithLen(torch.randn(n, FEATURES, generator=g), torch.randint(0, CLASSES, (n,), generator=g))
-    model, probe, counter = MLP(), Probe(), CollectiveCounter()
+    model, start, timer, counter = MLP(), StartRSS(), workloads.StepTimer(), CollectiveCounter()
     trainer = Trainer(
         model=model,
         train_dataloader=DataLoader(data, batch_size=32),
         max_duration='1ep',
         optimizers=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
         algorithms=[UnevenJoin()] if join else [],
-        callbacks=[probe, counter],
+        callbacks=[start, timer, counter],
         device='cpu',
         progress_bar=False,
         log_to_console=False,
@@ -111,9 +102,9 @@ def fit(wrapper: str, shards: list[int], join: bool) -> dict:
     trainer.close()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
-        'peak_mb': peak - probe.start_rss,
-        'step_s': probe.times,
-        'shadow': probe.shadow,
+        'peak_mb': peak - start.mb,
+        'step_s': timer.wall,  # from EPOCH_START on; the first step is not reported
+        'shadow': timer.shadow,
         'collectives': counter.steps,
     }
 

@@ -12,7 +12,7 @@ What is measured, and how
 -------------------------
 The workload of ``workloads.py`` (a small conv net, 32 samples per rank per step, SGD with
 momentum, one thread per rank, gloo), one epoch per fit, all fits of one world size in one launch
-(``ranks.py``) after a throw-away warm-up. Cases: rank 0 has ``L`` batches; "r:1": every other rank
+(``common.launch``) after a throw-away warm-up. Cases: rank 0 has ``L`` batches; "r:1": every other rank
 ``L / r``; "one empty": every rank ``L`` but the last, which has none. Methods, per case:
 
 * **ideal**: stock Composer on *balanced* shards holding the same total, ``ceil(total / W)``
@@ -36,17 +36,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # (light: no torch import in the driver)
+from common import case_sizes, median
 
 CASES = ('2:1', '4:1', 'one empty')
 METHODS = ('ideal', 'shadow', 'rebalance', 'shadow_nolen', 'rebalance_nolen')
@@ -67,13 +66,6 @@ class Setup:
 # on 2 shared cores) and by the per-fit set-up; 7 repetitions, methods in alternating order.
 FULL = (Setup(2, 48, reps=7, timeout=1500), Setup(3, 48, reps=7, timeout=1500), Setup(4, 48, reps=7, timeout=1800))
 QUICK = (Setup(2, 6, reps=1, cases=('4:1', 'one empty'), timeout=150),)
-
-
-def case_batches(case: str, world: int, longest: int) -> list[int]:
-    """Per-rank batch counts of a case."""
-    if case == 'one empty':
-        return [longest] * (world - 1) + [0]
-    return [longest] + [longest // int(case.split(':')[0])] * (world - 1)
 
 
 def method_batches(method: str, batches: list[int]) -> list[int]:
@@ -102,7 +94,7 @@ class PeakRSS:
     def __enter__(self):
         import threading
 
-        self.start = self.peak = self._rss()
+        self.start = self.peak = common.rss_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -110,17 +102,12 @@ class PeakRSS:
 
     def _run(self):
         while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self._rss())
-
-    @staticmethod
-    def _rss() -> int:
-        with open('/proc/self/statm') as f:
-            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+            self.peak = max(self.peak, common.rss_bytes())
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._rss())
+        self.peak = max(self.peak, common.rss_bytes())
 
     @property
     def growth(self) -> int:
@@ -146,8 +133,6 @@ def fit(batches: list[int], mode: Optional[str]) -> dict[str, Any]:
 
     ``mode`` ending in ``_nolen``: the shard without ``len()``, run for the shards' samples.
     """
-    import torch
-    from composer import Trainer
     from composer.utils import dist
 
     import workloads
@@ -155,25 +140,17 @@ def fit(batches: list[int], mode: Optional[str]) -> dict[str, Any]:
 
     rank = dist.get_global_rank()
     sizes = [n * workloads.BATCH for n in batches]
-    model = workloads.Classifier()
     nolen = mode is not None and mode.endswith('_nolen')
     mode = mode[: -len('_nolen')] if nolen else mode
     join = UnevenJoin(mode=mode) if mode is not None else None
     timer = workloads.StepTimer()
     agreed = agreement_counter(join)
     data = workloads.shard(rank, sizes)
-    trainer = Trainer(
-        model=model,
-        train_dataloader=Unsized(data) if nolen else data,
+    trainer, _ = workloads.make_trainer(
+        Unsized(data) if nolen else data,
+        [join] if join is not None else [],
+        [timer, agreed],
         max_duration=f'{sum(sizes)}sp' if nolen else '1ep',
-        optimizers=torch.optim.SGD(model.parameters(), lr=workloads.LR, momentum=0.9),
-        algorithms=[join] if join is not None else [],
-        callbacks=[timer, agreed],
-        loggers=[],
-        device=workloads.DEVICE,
-        progress_bar=False,
-        log_to_console=False,
-        seed=0,
     )
     dist.barrier()
     start = time.perf_counter()
@@ -212,7 +189,7 @@ def calls(s: Setup) -> list[tuple[str, str, dict]]:
     out = [('warm-up', 'rebalance:warm_up', {'batches': [4, 2] + [2] * (s.world - 2)})]
     for rep in range(s.reps):
         for case in s.cases:
-            batches = case_batches(case, s.world, s.longest)
+            batches = case_sizes(case, s.world, s.longest)
             for method in METHODS if rep % 2 == 0 else METHODS[::-1]:
                 mode = None if method == 'ideal' else method
                 out.append(
@@ -230,7 +207,7 @@ def analyse(res: dict, s: Setup) -> list[dict[str, Any]]:
     rows = []
     for case in s.cases:
         walls = {m: [max(r['wall'] for r in res[f'{case}|{m}|{rep}']) for rep in range(s.reps)] for m in METHODS}
-        ideal = statistics.median(walls['ideal'])
+        ideal = median(walls['ideal'])
         for m in METHODS:
             last = res[f'{case}|{m}|{s.reps - 1}']
             rows.append(
@@ -238,17 +215,15 @@ def analyse(res: dict, s: Setup) -> list[dict[str, Any]]:
                     'world': s.world,
                     'case': case,
                     'method': m,
-                    'batches': method_batches(m, case_batches(case, s.world, s.longest)),
+                    'batches': method_batches(m, case_sizes(case, s.world, s.longest)),
                     'steps': last[0]['steps'],
                     'samples': last[0]['samples'],
-                    'wall': statistics.median(walls[m]),
-                    'ratio': statistics.median(walls[m]) / ideal,
+                    'wall': median(walls[m]),
+                    'ratio': median(walls[m]) / ideal,
                     'range': (min(walls[m]) / ideal, max(walls[m]) / ideal),
                     'bytes': sum(r['sent'] for r in last),
                     'shadow_steps': sum(r['shadow_steps'] for r in last),
-                    'rss': statistics.median(
-                        max(r['rss_growth'] for r in res[f'{case}|{m}|{rep}']) for rep in range(s.reps)
-                    ),
+                    'rss': median(max(r['rss_growth'] for r in res[f'{case}|{m}|{rep}']) for rep in range(s.reps)),
                     'peak_held': max(r['peak_held'] for r in last),
                     'peak_held_bytes': max(r['peak_held_bytes'] for r in last),
                     'agreed_steps': last[0]['agreed_steps'],
@@ -301,17 +276,17 @@ def markdown(rows: list[dict], info: dict) -> str:
 
 
 def chart(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
+    """``rebalance.png``: wall time over the ideal of every method but the ideal, per world size and case."""
     groups = [
         (w, c)
         for w in sorted({r['world'] for r in rows})
         for c in dict.fromkeys(r['case'] for r in rows if r['world'] == w)
     ]
-    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(groups)), 4.0))
+    with common.figure(path, 1, 1, (max(7, 1.6 * len(groups)), 4.0)) as ax:
+        _bars(ax, rows, groups)
+
+
+def _bars(ax, rows: list[dict], groups: list[tuple[int, str]]) -> None:
     shown = {
         'shadow': ('shadow', '#5a8fd6'),
         'rebalance': ('rebalance', '#2e9e5b'),
@@ -335,9 +310,6 @@ def chart(rows: list[dict], path: Path) -> None:
     )
     ax.set_ylim(0, 1.35 * max(r['ratio'] for r in rows))
     ax.legend(fontsize=7, ncol=3, loc='upper center')
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def run(quick: bool, out: Path, command: str = '', max_ranks: Optional[int] = None) -> str:
@@ -346,12 +318,7 @@ def run(quick: bool, out: Path, command: str = '', max_ranks: Optional[int] = No
     ``max_ranks``: only world sizes up to it (``make bench-gpu``: one GPU per rank); the section
     then says which world sizes were left out.
     """
-    import datetime
-
-    from ranks import launch
-    from run import code_version
-
-    load = ', '.join(f'{v:.2f}' for v in os.getloadavg())
+    load = common.load_average()
     start = time.perf_counter()
     rows, latency = [], {}
     setups = [s for s in (QUICK if quick else FULL) if max_ranks is None or s.world <= max_ranks]
@@ -363,23 +330,17 @@ def run(quick: bool, out: Path, command: str = '', max_ranks: Optional[int] = No
         )
     for s in setups:
         print(f'rebalance: {s.world} ranks', flush=True)
-        t0 = time.perf_counter()
-        res = launch(
-            s.world,
-            calls(s),
-            timeout=s.timeout,
-            progress=lambda name: print(f'  {time.perf_counter() - t0:6.1f}s  {name}', flush=True),
-        )
+        res = common.launch(s.world, calls(s), timeout=s.timeout)
         rows += analyse(res, s)
-        latency[s.world] = statistics.median(r['median'] for r in res['latency'])
+        latency[s.world] = median(r['median'] for r in res['latency'])
     info = {
         'command': command or ('.venv/bin/python benchmarks/rebalance.py' + (' --quick' if quick else '')),
-        'date': datetime.datetime.now().strftime('%Y-%m-%d %H:%M'),
+        'date': common.now(),
         'seconds': time.perf_counter() - start,
         'load': load,
-        'code': code_version(),
+        'code': common.code_version(),
         'latency': latency,
-        'load_after': ', '.join(f'{v:.2f}' for v in os.getloadavg()),
+        'load_after': common.load_average(),
     }
     chart(rows, out / 'rebalance.png')
     note = f'\n(Left out, above --max-ranks {max_ranks}: {", ".join(map(str, left_out))} ranks.)\n' if left_out else ''
@@ -391,8 +352,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument('--quick', action='store_true', help='smoke run: 2 ranks, tiny shards')
     parser.add_argument('--out', type=Path, default=None, help='directory for rebalance.md and rebalance.png')
     args = parser.parse_args(argv)
-    out = args.out or (Path(tempfile.mkdtemp(prefix='composer-join-rebalance-')) if args.quick else HERE)
-    out.mkdir(parents=True, exist_ok=True)
+    out = common.out_dir(args.out, args.quick, 'composer-join-rebalance-')
     text = run(args.quick, out)
     (out / 'rebalance.md').write_text(text)
     print(text)

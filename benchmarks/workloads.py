@@ -1,7 +1,8 @@
 """What each rank runs in the benchmarks: the model, the data, and one function per kind of run.
 
-Every function here runs on *every* rank of a launch (see ``ranks.py``), inside one gloo process
-group that many runs share, and returns plain data (floats, lists, dicts) for ``run.py``.
+Every function here runs on *every* rank of a launch (see ``common.launch``), inside one gloo process
+group that many runs share, and returns plain data (floats, lists, dicts) for the benchmark modules
+(``overhead.py``, ``uneven.py``, ``counts.py``, ``breakdown.py``, ``profiling.py``, ``rebalance.py``).
 
 The workload
 ------------
@@ -63,7 +64,7 @@ IMAGE = (3, 24, 24)
 HELD_OUT = 1024
 LR = 0.02
 NOISE = 6.0
-WARMUP_STEPS = 3  # steps not counted by event_costs (run.py skips as many in its timings)
+WARMUP_STEPS = 3  # steps not counted by event_costs (common.WARMUP_STEPS: the driver skips as many in its timings)
 
 # -- model and data --------------------------------------------------------------------------------
 
@@ -284,21 +285,27 @@ def _device() -> torch.device:
     return torch.device('cuda', torch.cuda.current_device()) if DEVICE == 'gpu' else torch.device('cpu')
 
 
-def _trainer(
+def joined(join: bool, divide: bool = True) -> list:
+    """The algorithms of a fit: ``UnevenJoin(divide_by_initial_world_size=divide)``, or none (stock Composer)."""
+    return [UnevenJoin(divide_by_initial_world_size=divide)] if join else []
+
+
+def make_trainer(
     loader,
-    join: bool,
+    algorithms: list,
     callbacks: list,
+    max_duration: str = '1ep',
     sync: Optional[str] = None,
     microbatch: Optional[int] = None,
-    divide: bool = True,
-):
+) -> tuple[Trainer, Classifier]:
+    """The benchmarks' ``Trainer`` (and its model): a fresh :class:`Classifier`, SGD with momentum, no loggers."""
     model = Classifier()
     return Trainer(
         model=model,
         train_dataloader=loader,
-        max_duration='1ep',
+        max_duration=max_duration,
         optimizers=torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
-        algorithms=[UnevenJoin(divide_by_initial_world_size=divide)] if join else [],
+        algorithms=algorithms,
         callbacks=callbacks,
         loggers=[],
         device=DEVICE,
@@ -331,7 +338,7 @@ def composer_fit(
     """
     rank = dist.get_global_rank()
     timer = StepTimer()
-    trainer, model = _trainer(shard(rank, sizes, pad), join or fake_agreement, [timer], divide=divide)
+    trainer, model = make_trainer(shard(rank, sizes, pad), joined(join or fake_agreement, divide), [timer])
     tap = AgreementTap('fake') if fake_agreement else contextlib.nullcontext()
     dist.barrier()
     start = time.perf_counter()
@@ -357,7 +364,7 @@ def torch_join_fit(sizes: list[int], pad: bool = False) -> dict[str, Any]:
     """The same training in a plain PyTorch loop with ``DistributedDataParallel.join`` (one epoch).
 
     Wall time covers the loop including ``join``'s final synchronisation; ``samples`` is this
-    rank's real samples (summed over ranks by ``run.py``).
+    rank's real samples (summed over ranks by ``uneven.analyse``).
     """
     rank = dist.get_global_rank()
     module = make_module().to(_device())
@@ -394,7 +401,7 @@ def count_collectives(sizes: list[int], join: bool, sync: str, microbatch: int) 
     """Collectives per step of a short Composer fit (per-step dicts of kind -> count, and shadow flags)."""
     rank = dist.get_global_rank()
     counter = CollectiveCounter()
-    trainer, _ = _trainer(shard(rank, sizes), join, [counter], sync=sync, microbatch=microbatch)
+    trainer, _ = make_trainer(shard(rank, sizes), joined(join), [counter], sync=sync, microbatch=microbatch)
     trainer.fit()
     trainer.close()
     return {'steps': counter.steps, 'shadow': counter.shadow}
@@ -413,7 +420,7 @@ def event_costs(sizes: list[int], join: bool = True) -> dict[str, Any]:
     """
     rank = dist.get_global_rank()
     counter = _StepCounter()
-    trainer, _ = _trainer(shard(rank, sizes), join, [counter])
+    trainer, _ = make_trainer(shard(rank, sizes), joined(join), [counter])
     costs: dict[str, dict[int, float]] = {}
 
     def add(name: str, seconds: float) -> None:
@@ -475,7 +482,7 @@ def event_costs(sizes: list[int], join: bool = True) -> dict[str, Any]:
     }
 
 
-ENGINE = 'Composer engine: _run_algorithms (incl. match + apply)'
+ENGINE = 'Composer engine: _run_algorithms (incl. match + apply)'  # = breakdown.ENGINE
 
 
 class _StepCounter(Callback):
@@ -491,7 +498,7 @@ class _StepCounter(Callback):
 def profile_fit(sizes: list[int], join: bool) -> dict[str, Any]:
     """One Composer fit under cProfile on every rank; returns the report as text (by cumulative and own time)."""
     rank = dist.get_global_rank()
-    trainer, _ = _trainer(shard(rank, sizes), join, [])
+    trainer, _ = make_trainer(shard(rank, sizes), joined(join), [])
     profiler = cProfile.Profile()
     profiler.enable()
     trainer.fit()

@@ -1,7 +1,7 @@
 """Where the distributed tests and benchmarks run: CPU ranks with gloo (default), or one GPU per rank with NCCL.
 
 ``COMPOSER_JOIN_DEVICE=gpu`` (what ``make test-gpu`` and ``make bench-gpu`` set) makes every rank of
-``tests/harness.py`` and ``benchmarks/ranks.py`` initialise NCCL on its own GPU and train with
+``tests/harness.py`` and ``benchmarks/common.py`` initialise NCCL on its own GPU and train with
 Composer's ``device='gpu'``; results come back on the CPU, so the tests compare them with the same CPU
 reference. The code paths that differ on a GPU (the agreement tensors moved to the device, template
 batches moved to it) are the ones CPU runs already take through ``state.device``. Not a test module.

@@ -39,8 +39,9 @@ warns). Such a loader is trained in full, and no step can be planned wrongly:
   ``dataloader_len`` batches, so the algorithm lifts that cap while Composer starts iterating
   (:attr:`JoinLoader.uncapped`) and puts it back before the first batch, so schedules and
   durations still read the longest ``len()``;
-- at the end of such an epoch rank 0 warns, once per fit, naming each rank that yielded more than
-  its ``len()``, both counts, and what a schedule computed from ``len()`` does.
+- at the end of such an epoch rank 0 warns, once per loader (the train loader's or an evaluator's),
+  naming each rank that yielded more than its ``len()``, both counts, and what a schedule computed
+  from ``len()`` does.
 
 The steps past the lengths cost one agreement each, like any agreed step; a loader whose
 ``len()`` is exact costs nothing more (the peek rides on the last step's agreement).

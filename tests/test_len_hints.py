@@ -45,7 +45,8 @@ BASE: dict[str, dict] = {
     'persistent_unsized': dict(shards=[3, 2], batch_size=1, max_duration='6ba', sized=False),
     'persistent_rebalance_eval': dict(shards=[3, 2], batch_size=1, epochs=2, eval_shards=[5, 3], join=RB),
     # item 3: 40 samples at batch 8 over two workers: 6 batches (8, 8, 4 each), len() 5
-    'undercount': dict(shards=[40, 12], batch_size=8, epochs=2, eval_shards=[7, 2]),
+    # its evaluation too: 10 and 3 samples at batch 4 give 4 and 2 batches, len() 3 and 1
+    'undercount': dict(shards=[40, 12], batch_size=8, epochs=2, eval_shards=[10, 3], eval_batch_size=4),
     'undercount_both': dict(shards=[40, 24], batch_size=8, epochs=2),
 }
 TRAINED = {**BASE, **{f'{n}_swapped': _swapped(c) for n, c in BASE.items()}}
@@ -161,12 +162,17 @@ def test_a_len_that_undercounts_is_a_hint_and_says_so_once(runs, name):
     lens = [math.ceil(n / cfg['batch_size']) for n in cfg['shards']]
     yielded = [len(worker_batches(n, cfg['batch_size'], 2)) for n in cfg['shards']]
     under = [r for r in range(2) if yielded[r] > lens[r]]
-    warned = per_rank[0]['warnings']
+    warned = [w for w in per_rank[0]['warnings'] if 'the train dataloader' in w]
     assert len(warned) == 1, warned  # once per fit, not once per epoch
     for r in under:
         assert f'rank {r} yielded {yielded[r]} batches' in warned[0] and f'its len() is {lens[r]}' in warned[0]
     assert f'{max(lens)} batches per epoch' in warned[0] and 'schedule' in warned[0]
     assert per_rank[1]['warnings'] == []  # rank 0 warns for all
+    if cfg.get('eval_shards'):  # and once for the evaluator, of its two evaluations
+        (evaluated,) = [w for w in per_rank[0]['warnings'] if 'the eval dataloader' in w]
+        big = cfg['eval_shards'].index(10)
+        assert f'rank {big} yielded 4 batches, its len() is 3' in evaluated, evaluated
+        assert f'rank {1 - big} yielded 2 batches, its len() is 1' in evaluated, evaluated
     for res in per_rank:
         assert res['timestamp']['batch'] == max(yielded) * cfg['epochs']
 

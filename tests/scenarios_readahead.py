@@ -19,8 +19,8 @@ from composer.utils import dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from composer_join import UnevenJoin, is_shadow_step
-from rank_scenarios import LogLines, ToyModel, error_if_expected, make_optimizer, quiet_trainer
-from scenarios_rebalance import fit_result
+from rank_scenarios import LogLines, ToyModel, make_optimizer, quiet_trainer
+from scenarios_rebalance import fitted
 from toy import shard
 
 
@@ -122,13 +122,8 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
         ddp_sync_strategy=cfg.get('sync'),
         **kwargs,
     )
-    try:
-        error = error_if_expected(cfg, trainer.fit)
-    finally:
-        trainer.close()
-        logging.getLogger('composer_join').removeHandler(lines)
     return {
-        **fit_result(error, model, trainer, join, trained, lines),
+        **fitted(cfg, trainer, model, join, trained, lines),
         'peak_held': getattr(join._train_loader.dataloader, 'peak_held', None),
         'loader': type(join._train_loader.dataloader).__name__,
     }

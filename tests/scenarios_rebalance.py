@@ -120,6 +120,17 @@ def train(cfg: dict) -> dict[str, Any]:
     }
 
 
+def fitted(cfg: dict, trainer: Any, model: Any, join: Any, trained: Any, lines: Any) -> dict[str, Any]:
+    """``trainer.fit()`` (an expected ``UnevenInputsError`` kept, see ``error_if_expected``), then close the
+    trainer, detach ``lines`` from composer_join's logger and return :func:`fit_result`."""
+    try:
+        error = error_if_expected(cfg, trainer.fit)
+    finally:
+        trainer.close()
+        logging.getLogger('composer_join').removeHandler(lines)
+    return fit_result(error, model, trainer, join, trained, lines)
+
+
 def fit_result(error: Any, model: Any, trainer: Any, join: Any, trained: Any, lines: Any) -> dict[str, Any]:
     """What every rebalancing scenario returns: error, weights, per-step records, timestamp, reports, log lines."""
     ts = trainer.state.timestamp

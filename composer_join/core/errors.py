@@ -14,8 +14,9 @@ class UnevenInputsError(RuntimeError):
 
     * ``throw_on_early_termination=True`` and some rank ran out of batches before the others;
     * a rank's dataloader failed while fetching a batch (the other ranks report it too);
-    * a dataloader yielded more batches than its ``len()`` promised, so the extra batches
-      would be silently dropped, or fewer, so the epoch length would be wrong;
+    * a dataloader yielded fewer batches than its ``len()`` promised, so the epoch length would
+      be wrong; or, with ``mode='rebalance'`` (whose schedule is planned from each ``len()``),
+      more (``mode='shadow'`` treats such a ``len()`` as a hint and trains the extra batches);
     * on a step where some rank shadows, the ranks' batches differ in structure (container
       types, keys, tensor dtypes or dimensions), so a shadow batch cannot stand in for them.
     """

@@ -9,7 +9,10 @@ event                     what happens
                           in a :class:`~composer_join.join.loader.JoinLoader` (``mode='rebalance'``:
                           over a :class:`~composer_join.rebalance.rebalance.Rebalancer`), pick the
                           wrapper's part once (:mod:`composer_join.wrappers`: DDP, FSDP1/2 or none)
-``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders)
+``EPOCH_START``           reshuffle a ``DistributedSampler`` (Composer skips wrapped loaders); lift
+                          Composer's ``dataloader_len`` cap for the epoch's loop, so batches past
+                          a ``len()`` that undercounts are trained (:func:`~composer_join.join.loader.lift_cap`)
+``BEFORE_DATALOADER``     put the cap back once the loop has started (schedules read it)
 ``AFTER_DATALOADER``      only where other algorithms run at it: shadow step: the template for them,
                           then the zero-sample batch back; every step: re-gather the ranks' counts
                           (:mod:`composer_join.interop.replan`)
@@ -27,7 +30,7 @@ event                     what happens
                           (rebalance: with bytes moved)
 ``*_CHECKPOINT``          wrapper (DDP): buffers equal on every rank before a checkpoint is saved
 ``FIT_END``               wrapper (DDP): buffers equal on every rank at the end of ``fit``
-``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement);
+``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement), lift the cap;
                           wrapper: FSDP pads eval microbatches, DDP makes buffers equal on every rank
 ``EVAL_BATCH_START``      automatic microbatching: keep the metric states, for a retry after an OOM
 ``EVAL_BEFORE_FORWARD``   a retry: put the metric states back; shadow: swap in the template; real: keep one
@@ -66,7 +69,7 @@ from composer_join.interop.oom import EvalRetry
 from composer_join.interop.predict import PREDICT_EVENTS, empty_outputs
 from composer_join.interop.refusals import refuse_incompatible
 from composer_join.interop.replan import replan
-from composer_join.join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, pads_by_repeating
+from composer_join.join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, lift_cap, pads_by_repeating
 from composer_join.rebalance.rebalance import Rebalancer
 from composer_join.shadow.buffers import checkpoint_due
 from composer_join.shadow.gradients import scale_grad
@@ -115,7 +118,7 @@ _EVENTS = (
     )
     | PREDICT_EVENTS
     | MICROBATCH_EVENTS
-    | frozenset((Event.AFTER_DATALOADER,))
+    | frozenset((Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER))
 )  # every microbatch event: the
 # pass sees only matching algorithms, so UnevenJoin must match them all to keep the others off a shadow microbatch
 # sets: Composer's Event compares by a Python __eq__, and match() runs for every event
@@ -228,6 +231,7 @@ class UnevenJoin(Algorithm):
         self._state: Optional[State] = None  # set at every start: composer_join.join.passes asks about microbatches
         self._held: Optional[tuple[Any, list]] = None  # a shadow step's AFTER_DATALOADER: its batch and buffers
         self.pass_seen = False  # set by composer_join.join.passes.join_pass when the Engine runs it
+        self._cap: Any = None  # Composer's train dataloader_len, lifted at EPOCH_START until BEFORE_DATALOADER
 
     def __repr__(self) -> str:
         return self._repr
@@ -283,6 +287,10 @@ class UnevenJoin(Algorithm):
             self._fit_start(state)
         elif event == Event.EPOCH_START:
             self._train_loader.set_epoch(int(state.timestamp.epoch))
+            self._cap = lift_cap(state, self._train_loader)
+        elif event == Event.BEFORE_DATALOADER:
+            if self._cap is not None:  # Composer's loop has read it: schedules and durations read it from here on
+                state.dataloader_len, self._cap = self._cap, None
         elif event == Event.BEFORE_TRAIN_BATCH:
             self._wrapper.start_step(self.plan)
         elif event == Event.BEFORE_FORWARD:
@@ -411,6 +419,7 @@ class UnevenJoin(Algorithm):
             settings=self._settings,
         )
         self._loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
+        lift_cap(state, self._loader)  # Composer puts the train cap back after the evaluation
         self._wrapper.eval_start(state, lambda: self.plan)
 
     def _predict_start(self, state: State) -> None:
@@ -420,6 +429,7 @@ class UnevenJoin(Algorithm):
             return
         self._templates.pop(state.dataloader_label, None)  # each predict() may bring other data
         self._loader = join_dataloader(state, microbatch_size=-1)
+        lift_cap(state, self._loader)
         self._wrapper.eval_start(state, lambda: self.plan)
 
     # -- per microbatch ----------------------------------------------------------------------------

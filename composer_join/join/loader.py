@@ -19,7 +19,32 @@ on it once per step on every rank; inside that call the loader
 A rank that cannot form its batch on a step planned from the lengths (its dataloader raised, or
 ended before its ``len()``) stops iterating: Composer's own per-step "exhausted" all-reduce ends
 the loop on every rank at that step, and :meth:`JoinLoader.check_ended_together` (at the epoch's or
-evaluation's end) then raises on every rank, the failing one with the cause.
+evaluation's end) then raises on every rank, the failing one with the cause, the others naming it
+and its cause. With ``mode='rebalance'`` the other ranks have already made the next step's batch
+transfers with it (a batch is fetched a step ahead), so the failing rank makes them too, passing
+failures on, before it stops: no rank is left waiting in a send or receive.
+
+**A ``len()`` is a hint** (``mode='shadow'``): an ``IterableDataset`` read by several workers
+yields more batches than its ``len()`` (each worker ends with its own partial batch; torch only
+warns). Such a loader is trained in full, and no step can be planned wrongly:
+
+- a step planned from the lengths alone is one before the shortest rank's last batch by
+  ``len()``; a loader that yields more than its ``len()`` has a batch there too, and one that
+  yields fewer stops as above (an error on every rank, as documented in docs/limits.md);
+- when the shared length is the longest ``len()`` (nothing asked for fewer batches), the last
+  step's fetch peeks one batch further and keeps it, and the agreement of that step says whether
+  some rank has more (``RankStatus.overflow``). If one has, the epoch goes on past ``len()``, every
+  further step agreed, until the agreement says no rank has data: the extra batches train on
+  agreed steps, in order, none dropped or repeated. Composer would stop asking after
+  ``dataloader_len`` batches, so the algorithm lifts that cap while Composer starts iterating
+  (:attr:`JoinLoader.uncapped`) and puts it back before the first batch, so schedules and
+  durations still read the longest ``len()``;
+- at the end of such an epoch rank 0 warns, once per loader (the train loader's or an evaluator's),
+  naming each rank that yielded more than its ``len()``, both counts, and what a schedule computed
+  from ``len()`` does.
+
+The steps past the lengths cost one agreement each, like any agreed step; a loader whose
+``len()`` is exact costs nothing more (the peek rides on the last step's agreement).
 
 A rank that has never seen a batch (an empty shard) is sent a one-or-two sample template by the
 lowest rank with data, once, to learn the batch structure.
@@ -33,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Optional, cast
 
@@ -55,12 +81,12 @@ from composer_join.core.plan import (
 )
 from composer_join.core.report import EpochReport
 from composer_join.rebalance.readahead import IDLE, ReadAheadRebalancer, rebalanced_without_len
-from composer_join.rebalance.rebalance import Rebalancer, rebalanced
+from composer_join.rebalance.rebalance import Failed, Rebalancer, RebalancingLoader, rebalanced
 from composer_join.shadow.dataspec import ShadowSplit, count_microbatches, count_samples, spec_for
 from composer_join.shadow.structure import describe as describe_structure
 from composer_join.shadow.structure import fingerprint
 
-__all__ = ['TEMPLATE_SAMPLES', 'JoinLoader', 'join_dataloader', 'pads_by_repeating']
+__all__ = ['TEMPLATE_SAMPLES', 'JoinLoader', 'join_dataloader', 'lift_cap', 'pads_by_repeating']
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +105,9 @@ class JoinLoader:
             ``-1`` samples or ``0`` microbatches where that cannot be known.
         length: the shared number of batches per epoch (the longest rank's), or ``None`` if some
             rank's dataloader has no ``len()``.
-        check_overflow: peek past ``length`` at the last step, and fail on every rank if some
-            dataloader yields more than its ``len()`` promised (its extra batches would be lost).
+        check_overflow: ``length`` is the longest ``len()`` (nothing asked for fewer batches): peek past
+            it at the last step; if some dataloader yields more, train its extra batches on agreed steps
+            when Composer's cap is lifted (:attr:`uncapped`), else fail on every rank (they would be lost).
         throw_on_early_termination: raise :class:`UnevenInputsError` on every rank at the first
             step where some rank has no batch, instead of shadowing.
         to_device: moves the agreement tensor to the trainer's device (``state.device.tensor_to_device``).
@@ -112,7 +139,12 @@ class JoinLoader:
         self._fetched_with: Any = None  # the size in force when the pending batch was described
         self._plan_size: Any = None  # the size the current plan's microbatch counts were taken with
         self._recounted: Optional[tuple[StepPlan, Any, StepPlan]] = None
-        self._exhausted: Optional[Iterator] = None  # the iterator that ran out
+        self._exhausted = False  # this iteration's dataloader has run out (torch may hand back the same iterator)
+        self._peeked: list[Any] = []  # a batch fetched to see whether the dataloader yields more than its len()
+        self._beyond = False  # this iteration goes on past `length`: some rank yields more than its len()
+        self.uncapped = False  # Composer iterates without its dataloader_len cap this time (see lift_cap)
+        self.label = 'train'  # the dataloader's label, for the warning about a len() that undercounts
+        self._warned = False  # that warning was given (once per loader)
         self.report = EpochReport(epoch=0, world_size=dist.get_world_size())
         self.epoch = 0
         self.lengths = lengths
@@ -195,6 +227,8 @@ class JoinLoader:
         if first + skipped == 0 or self.report.epoch != self.epoch:  # else: resuming the report's epoch
             self.report = EpochReport(epoch=self.epoch, world_size=self._world)
         self._ended, self._failure, self._unreported = False, None, 0
+        self._exhausted, self._peeked, self._beyond = False, [], False
+        may_go_beyond, self.uncapped = self.uncapped, False
         self.trained = self.resumed_samples if first else 0
         planned = self.planned_steps
         step = self.steps = first
@@ -205,6 +239,7 @@ class JoinLoader:
                 if local:
                     if not status.has_batch:  # only this rank knows: stop, and Composer stops every rank
                         self._failure = (step, error)  # error None: it ended before its len()
+                        self._make_transfers(batches, step + 1)
                         return
                     plan = plan_from_lengths(step, self._rank, status, self._world)
                 else:
@@ -216,17 +251,19 @@ class JoinLoader:
                     self._raise_if_needed(plan, error, batch)
                     if not plan.active_ranks:
                         self._ended = True
+                        self._warn_if_beyond()
                         return
+                    self._beyond = self._beyond or self._goes_beyond(plan, may_go_beyond)
                     if plan.template_source is not None:
                         self._share_template(plan.template_source)
                 self.plan, self._plan_size = plan, self._fetched_with
                 if step >= first + skipped:  # not a batch Composer spins past on resumption
                     self.report.record(plan)
                 # Fetch the next batch (and start its agreement) now: it completes while this step trains.
-                # With a known length Composer asks for no batch past it, so none is fetched.
+                # With a known length no batch past it is fetched, unless some rank yields more (self._beyond).
                 pending = (
                     None
-                    if self.length is not None and step + 1 >= self.length
+                    if self.length is not None and step + 1 >= self.length and not self._beyond
                     else self._fetch_and_agree(batches, step + 1, planned)
                 )
                 self.steps = step + 1
@@ -274,6 +311,9 @@ class JoinLoader:
             return
         step, error = self._failure if self._failure is not None else (None, None)
         failed = agree_on_failures(step, self._failure is not None and error is None, self.to_device)
+        causes: list[Optional[str]] = []
+        if any(f is not None and not f[1] for f in failed):  # on every rank alike: only on this error path
+            causes = dist.all_gather_object(None if error is None else f'{type(error).__name__}: {error}')
         if error is not None:
             raise error
         short = [r for r, f in enumerate(failed) if f is not None and f[1]]
@@ -283,7 +323,54 @@ class JoinLoader:
         steps = sorted({f[0] for f in failed if f is not None})
         raise UnevenInputsError(
             f'rank(s) {ranks} could not form batch {", ".join(map(str, steps))} of epoch {self.epoch} (their '
-            f'dataloader raised); every rank stops here, the failing rank raises the cause',
+            f'dataloader raised); every rank stops here, the failing rank raises the cause: '
+            + '; '.join(f'rank {r}: {cause}' for r, cause in enumerate(causes) if cause is not None),
+        )
+
+    def _make_transfers(self, batches: Iterator[Any], step: int) -> None:
+        """Having stopped alone before ``step`` (on a step planned from the lengths), make its batch transfers.
+
+        With ``mode='rebalance'`` the other ranks fetched step ``step`` (a step ahead) before Composer's
+        per-step all-reduce stopped them, sending to this rank and receiving from it; the
+        :class:`~composer_join.rebalance.rebalance.RebalancingLoader`, failed, sends failures and
+        discards what it receives, so no rank is left waiting. No-op for other dataloaders.
+        """
+        if isinstance(self.dataloader, RebalancingLoader) and self.length is not None and step < self.length:
+            self._fetch(batches, step)
+
+    def _goes_beyond(self, plan: StepPlan, allowed: bool) -> bool:
+        """Whether the epoch goes on past ``length``: some rank yields more than the longest ``len()``.
+
+        ``allowed``: Composer's cap is lifted for this iteration (:attr:`uncapped`). If it is not (an
+        epoch resumed mid-way from a checkpoint), the extra batches would be lost: raise on every rank.
+        """
+        overflow = [r for r, s in enumerate(plan.statuses) if s.overflow]
+        if overflow and not allowed:
+            raise UnevenInputsError(
+                f'the dataloader of rank(s) {overflow} yielded more than the {self.length} batches per epoch '
+                f'that the longest len() promised, in an epoch resumed mid-way from a checkpoint, which Composer '
+                f"stops at len(); the extra batches would be silently dropped. Make __len__ of each rank's dataset "
+                f'match what it yields, or remove __len__ so the epoch ends when data does.',
+            )
+        return bool(overflow)
+
+    def _warn_if_beyond(self) -> None:
+        """Once per loader, on rank 0, at the end of an epoch that went on past ``length``: say so, and what it does."""
+        if not self._beyond or self._warned or self._rank != 0 or self.lengths is None:
+            return
+        self._warned = True
+        counts = self.report.real_batches
+        over = [(r, n, own) for r, (n, own) in enumerate(zip(counts, self.lengths)) if own is not None and n > own]
+        ranks = '; '.join(f'rank {r} yielded {n} batches, its len() is {own}' for r, n, own in over)
+        warnings.warn(
+            f'UnevenJoin: the {self.label} dataloader yields more batches than its len() says in epoch {self.epoch} '
+            f'({ranks}): an IterableDataset read by several DataLoader workers ends each worker with its own '
+            f'partial batch. UnevenJoin treats len() as a hint: the epoch ran {self.steps} steps, every extra batch '
+            f'trained once, on steps agreed by all ranks. Composer still counts {self.length} batches per epoch (the '
+            f'longest len()), so a schedule computed from len() (a max_duration, or an LR schedule, in epochs) '
+            f'runs {self.steps - cast(int, self.length)} steps per epoch ahead of training and ends early. Give the '
+            f"dataset a __len__ that counts each worker's batches, or state durations in batches or samples.",
+            stacklevel=2,
         )
 
     def _short_error(self, ranks: list[int], step: int) -> UnevenInputsError:
@@ -297,15 +384,17 @@ class JoinLoader:
 
     def _fetch(self, batches: Iterator[Any], step: int) -> tuple[Any, RankStatus, Optional[BaseException]]:
         """This rank's next batch (None once exhausted), its status for the agreement, and any error."""
-        if batches is not self._exhausted:
+        if not self._exhausted:
             try:
-                batch = next(batches)
+                batch = self._peeked.pop() if self._peeked else next(batches)
                 if batch is IDLE:  # rebalancing without len(): no batch at this step, the epoch goes on
                     raise _Idle
+                if isinstance(batch, Failed):  # rebalancing: this rank's step failed, its transfers were made
+                    raise batch.error
             except _Idle:
                 pass
             except StopIteration:
-                self._exhausted = batches
+                self._exhausted = True
                 if self.own_length is not None and step < self.own_length:  # batch i is trained at step i
                     return None, RankStatus(has_batch=False, short=True), None
             except Exception as e:  # reported to every rank by the agreement, then re-raised here
@@ -316,7 +405,7 @@ class JoinLoader:
                 samples, microbatches = self.describe(batch)
                 overflow = False
                 if self.check_overflow and self.length is not None and step == self.length - 1:
-                    overflow = _has_more(batches)
+                    overflow = self._peek(batches)
                 return (
                     batch,
                     RankStatus(True, samples, microbatches, overflow=overflow, structure=fingerprint(batch)),
@@ -334,6 +423,17 @@ class JoinLoader:
             None,
         )
 
+    def _peek(self, batches: Iterator[Any]) -> bool:
+        """Whether ``batches`` yields another batch; it is kept for the next fetch (none is lost)."""
+        try:
+            self._peeked.append(next(batches))
+        except StopIteration:
+            self._exhausted = True
+            return False
+        except Exception as e:  # raised by the next fetch, on a step every rank agrees on
+            self._peeked.append(Failed(e))
+        return True
+
     def _raise_if_needed(self, plan: StepPlan, error: Optional[BaseException], batch: Any = None) -> None:
         failed = [r for r, s in enumerate(plan.statuses) if s.failed]
         if failed:
@@ -344,13 +444,6 @@ class JoinLoader:
             if error is not None:
                 raise error
             raise UnevenInputsError(msg)
-        overflow = [r for r, s in enumerate(plan.statuses) if s.overflow]
-        if overflow:
-            raise UnevenInputsError(
-                f'the dataloader of rank(s) {overflow} yielded more than the {self.length} batches per epoch '
-                f'that the longest len() promised; the extra batches would be silently dropped. Make __len__ of '
-                f"each rank's dataset match what it yields, or remove __len__ so the epoch ends when data does.",
-            )
         short = [r for r, s in enumerate(plan.statuses) if s.short]
         if short:
             raise self._short_error(short, plan.step)
@@ -450,6 +543,7 @@ def join_dataloader(
     if isinstance(loader.dataloader, Rebalancer):
         loader.dataloader.count = lambda batch: loader.describe(batch)[0]
     label = state.dataloader_label
+    loader.label = label
     state.set_dataloader(loader, label, -1 if shared is None else shared)
     log.info(
         'UnevenJoin: %s batches per rank %s; every rank runs %s steps.',
@@ -458,6 +552,26 @@ def join_dataloader(
         shared if shared is not None else 'until the last rank runs out',
     )
     return loader
+
+
+def lift_cap(state: State, loader: JoinLoader) -> Optional[Any]:
+    """Let Composer's next loop over ``loader`` run past ``state.dataloader_len``; return the cap to put back.
+
+    Composer's ``_iter_dataloader`` stops after ``state.dataloader_len`` batches, read once, when the
+    loop starts. Where that is the longest ``len()`` (``loader.check_overflow``), a rank that yields
+    more would lose its extra batches: call this on every rank right before Composer starts the loop
+    (``EPOCH_START``, ``EVAL_START``, ``PREDICT_START``), then put the returned cap back in
+    ``state.dataloader_len`` once the loop has started (``BEFORE_DATALOADER``) for schedules and
+    durations; an evaluation's or prediction's is put back by Composer after its loop. The loader
+    then ends the loop itself, on every rank at the same step. Returns None (and changes nothing) if
+    ``dataloader_len`` is not the longest ``len()``, say a subset of the batches was asked for.
+    """
+    cap = state.dataloader_len
+    if not loader.check_overflow or cap is None or loader.length is None or int(cap) != loader.length:
+        return None
+    loader.uncapped = True
+    state._dataloader_len = None  # Composer's setter would read len(loader) back: no public way to say "no cap"
+    return cap
 
 
 class _Idle(Exception):
@@ -470,15 +584,6 @@ def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, in
     if samples < 0:
         return -1, 0
     return samples, count_microbatches(spec, batch, microbatch_size, samples)
-
-
-def _has_more(batches: Iterator[Any]) -> bool:
-    """Whether ``batches`` yields another batch (fetching it)."""
-    try:
-        next(batches)
-    except StopIteration:
-        return False
-    return True
 
 
 def _distributed_sampler(dataloader: Any) -> Optional[DistributedSampler]:

@@ -23,8 +23,12 @@ Transfers happen inside ``next()``, which the JoinLoader calls once per step on 
 still has assigned batches (for step ``t + 1``, during step ``t``): the donor sends, the receiver
 receives, point to point, in the order above, through a :class:`~composer_join.rebalance.transfer.BatchChannel`
 (the wire format and its cost are in :mod:`composer_join.rebalance.transfer`). The received batch is already
-on the trainer's device, with no copy. If a donor cannot read or pickle a batch it sends a failure
-instead, and both ranks raise; the JoinLoader's agreement then stops every rank, so nothing hangs.
+on the trainer's device, with no copy. If a donor cannot read or pickle a batch (or its dataloader
+yields fewer or more batches than its ``len()``) it sends a failure instead, and both ranks yield
+:class:`Failed` rather than raise: the JoinLoader then stops every rank (by its agreement, or, on a
+step planned without one, by Composer's per-step all-reduce). A failed loader goes on making the
+transfers of the steps it is still asked for (the JoinLoader asks for the one step the other ranks
+fetched ahead), sending failures and discarding what it receives, so nothing hangs.
 
 :class:`Rebalancer` is what this loader shares with the one for dataloaders without ``len()``
 (:class:`~composer_join.rebalance.readahead.ReadAheadRebalancer`): the wrapped dataloader, the channel, the
@@ -41,7 +45,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from composer.utils import dist
@@ -51,7 +55,7 @@ from composer_join.core.plan import len_or_none
 from composer_join.core.report import EpochReport
 from composer_join.rebalance.transfer import BatchChannel
 
-__all__ = ['Rebalancer', 'RebalancingLoader', 'rebalanced', 'schedule']
+__all__ = ['Failed', 'Rebalancer', 'RebalancingLoader', 'rebalanced', 'schedule']
 
 Cell = Optional[tuple[int, int]]  # (owner rank, index of the batch in the owner's shard), or None: shadow
 
@@ -186,6 +190,8 @@ class RebalancingLoader(Rebalancer):
     Args:
         dataloader: this rank's own dataloader; it must yield exactly ``counts[rank]`` batches
             per epoch (more, if ``own_len`` is larger: only the first ``counts[rank]`` are used).
+            Where it does not, the step that learns it yields :class:`Failed`, on every later
+            step too, still making those steps' transfers.
         counts: every rank's batches per epoch (the same list on every rank).
         own_len: ``len(dataloader)``; if it equals ``counts[rank]``, a dataloader that yields
             more than that is an error (its extra batches would be lost).
@@ -247,6 +253,7 @@ class RebalancingLoader(Rebalancer):
         reader.read = sum(1 for row in self.steps[: self.start] for c in row if c is not None and c[0] == self.rank)
         if self.start:  # a dataset that resumed itself applies its state at its next iteration: this one
             reader._it = iter(self.dataloader)
+        failure: Optional[BaseException] = None  # once set, every later step yields Failed(failure)
         for step, row in enumerate(self.steps):
             if step < self.start:
                 continue
@@ -254,17 +261,21 @@ class RebalancingLoader(Rebalancer):
             if cell is None:
                 return
             if cell[0] != self.rank:
-                yield self.channel.receive(cell[0], step)
+                try:
+                    received = self.channel.receive(cell[0], step)
+                except Exception as e:  # the donor failed
+                    failure = failure or e
+                yield received if failure is None else Failed(failure)
                 continue
             receivers = [q for q, c in enumerate(row) if c is not None and c[0] == self.rank and q != self.rank]
-            failure: Optional[BaseException] = None
             batches: list[Any] = []
             try:
-                for _ in range(1 + len(receivers)):
-                    batches.append(reader.next())
-                counts = [self.count(b) for b in batches]
-                self._read_samples[step] = -1 if min(counts) < 0 else sum(counts)
-                reader.check_end()
+                if failure is None:
+                    for _ in range(1 + len(receivers)):
+                        batches.append(reader.next())
+                    counts = [self.count(b) for b in batches]
+                    self._read_samples[step] = -1 if min(counts) < 0 else sum(counts)
+                    reader.check_end()
             except Exception as e:  # the receivers must hear of it, or they would wait forever
                 failure = e
             before = self.bytes_sent
@@ -272,9 +283,25 @@ class RebalancingLoader(Rebalancer):
                 refused = self.channel.send(batches[i + 1] if failure is None else None, q, step)
                 failure = failure or refused
             self._sent[step] = self.bytes_sent - before
-            if failure is not None:
-                raise failure
-            yield batches[0]
+            yield batches[0] if failure is None else Failed(failure)
+
+
+class Failed(NamedTuple):
+    """What :class:`RebalancingLoader` yields for a step it could not form (``error``: why), instead of raising.
+
+    It goes on through the schedule after a failure, making every later step's transfers (sending
+    failures, discarding what it receives) for as long as it is asked, so that a rank that stops
+    at a step nobody agreed on can still make the transfers the others made a step ahead.
+    """
+
+    error: BaseException
+
+
+_EXACT = (
+    "UnevenJoin(mode='rebalance') plans every rank's batches from the len()s, so they must be exact: make __len__ "
+    'match what the dataloader yields (an IterableDataset read by several workers yields one partial batch per '
+    "worker), or use mode='shadow', which treats len() as a hint and trains every batch."
+)
 
 
 class _Reader:
@@ -292,9 +319,8 @@ class _Reader:
             batch = next(self._it)
         except StopIteration:
             raise UnevenInputsError(
-                f"rank {dist.get_global_rank()}'s dataloader yielded {self.read} batches, but its len() promised "
-                f"{self.count}; UnevenJoin(mode='rebalance') plans every rank's batches from the len()s, so they "
-                f"must be exact (or use mode='shadow')",
+                f"rank {dist.get_global_rank()}'s dataloader yielded {self.read} batches, fewer than its "
+                f'len() {self.count}; {_EXACT}',
             ) from None
         self.read += 1
         return batch
@@ -308,8 +334,8 @@ class _Reader:
                 return
             raise UnevenInputsError(
                 f'the dataloader of rank {dist.get_global_rank()} yielded more than the {self.count} batches per '
-                f'epoch its len() promised; the extra batches would be silently dropped. Make __len__ match what '
-                f'it yields.',
+                f'epoch its len() promised (len() {self.count}, yielded at least {self.count + 1}); the extra '
+                f'batches would be silently dropped. {_EXACT}',
             )
 
 

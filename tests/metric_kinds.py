@@ -31,7 +31,7 @@ from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric, MetricCollect
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC, MulticlassAveragePrecision
 from torchmetrics.retrieval import RetrievalMRR
 
-from toy import CLASSES
+from toy import CLASSES, FEATURES
 
 EVAL_KINDS = ('Accuracy', 'MeanLoss', 'MaxLoss', 'AUROC', 'AP', 'AUROCplusAP', 'CatLoss', 'MRR', 'ListSum')
 TRAIN_KINDS = ('Accuracy', 'AUROC', 'CatLoss', 'MRR', 'ListSum')
@@ -85,6 +85,25 @@ def make(name: str) -> Metric:
     if name == 'ScalarList':
         return ScalarList()
     raise ValueError(name)
+
+
+FOUR = 4  # classes of the four-class model; the toy data's labels hold 0-2 only
+
+
+def four_class_module() -> torch.nn.Module:
+    """The toy MLP with four outputs, always from the same weights."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 8), torch.nn.Tanh(), torch.nn.Linear(8, FOUR))
+
+
+def four_class_collection() -> MetricCollection:
+    """AUROC and AP over four classes in a ``MetricCollection`` (its default compute groups, as a user writes it)."""
+    return MetricCollection(
+        {
+            'AUROC': MulticlassAUROC(num_classes=FOUR, thresholds=None),
+            'AP': MulticlassAveragePrecision(num_classes=FOUR, thresholds=None),
+        }
+    )
 
 
 def collection(names) -> MetricCollection:

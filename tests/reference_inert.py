@@ -12,6 +12,8 @@ statistics are updated once per microbatch index.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 import toy_inert
@@ -26,8 +28,12 @@ def _microbatches(batch: tuple, size) -> list[tuple]:
     return list(zip(x.split(size), y.split(size)))
 
 
-def train(cfg: dict) -> dict:
-    """The module's final state (``state_dict``) after training as ``cfg`` describes."""
+def train(cfg: dict, step_outputs: Optional[list] = None) -> dict:
+    """The module's final state (``state_dict``) after training as ``cfg`` describes.
+
+    With a list ``step_outputs``: per step, the outputs' ``(predicted classes, labels, per-sample losses)`` over the
+    union of every rank's real samples of that step (what train metrics compute from).
+    """
     world = len(cfg['shards'])
     kind, kind_loss = cfg['model'], cfg.get('loss', 'ce')
     module = toy_inert.make(kind)
@@ -42,6 +48,7 @@ def train(cfg: dict) -> dict:
             samples = sum(len(per_rank[r][t][1]) for r in active)
             micro = {r: _microbatches(per_rank[r][t], cfg.get('microbatch')) for r in active}
             total = 0.0
+            seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (outputs, labels) of every microbatch
             if kind in ('syncbn', 'sumbn'):  # one normalisation over the union of each microbatch index's samples
                 for k in range(max(len(m) for m in micro.values())):
                     parts = [micro[r][k] for r in active if k < len(micro[r])]
@@ -50,10 +57,16 @@ def train(cfg: dict) -> dict:
                     if kind_loss == 'topk':
                         raise ValueError('topk and syncbn are not combined')
                     total = total + torch.nn.functional.cross_entropy(out, y, reduction='sum')
+                    seen.append((out, y))
             else:
                 for r in active:
                     for x, y in micro[r]:
-                        total = total + toy_inert.loss_sum(kind_loss, toy_inert.run(module, x, y, r), y)
+                        out = toy_inert.run(module, x, y, r)
+                        total = total + toy_inert.loss_sum(kind_loss, out, y)
+                        seen.append((out, y))
+            if step_outputs is not None:
+                out, y = torch.cat([o for o, _ in seen]).detach(), torch.cat([y for _, y in seen])
+                step_outputs.append((out.argmax(1), y, torch.nn.functional.cross_entropy(out, y, reduction='none')))
             optimizer.zero_grad(set_to_none=True)
             (total / samples * (len(active) / world if divide else 1.0)).backward()
             optimizer.step()

@@ -8,7 +8,7 @@ import torch
 from composer import Callback
 from composer.models import ComposerModel
 from composer.utils import dist
-from torchmetrics import MeanMetric
+from torchmetrics import CatMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 import syncbn_cpu
@@ -26,8 +26,9 @@ from toy import CLASSES, unpack
 
 
 class InertModel(ComposerModel):
-    def __init__(self, kind: str, loss: str = 'ce'):
+    def __init__(self, kind: str, loss: str = 'ce', train_metrics: bool = False):
         super().__init__()
+        self.train_metrics = train_metrics
         self.module = toy_inert.make(kind, distributed=True)
         if kind == 'syncbn':
             self.module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.module)
@@ -43,18 +44,14 @@ class InertModel(ComposerModel):
         return toy_inert.loss_mean(self.kind_loss, outputs, unpack(batch)[1])
 
     def get_metrics(self, is_train: bool = False):
-        return (
-            {}
-            if is_train
-            else {
-                'MulticlassAccuracy': MulticlassAccuracy(num_classes=CLASSES, average='micro'),
-                'MeanLoss': MeanMetric(),
-            }
-        )
+        accuracy = MulticlassAccuracy(num_classes=CLASSES, average='micro')
+        if is_train:  # a tensor state and a list state (concatenated per-sample losses)
+            return {'MulticlassAccuracy': accuracy, 'Losses': CatMetric()} if self.train_metrics else {}
+        return {'MulticlassAccuracy': accuracy, 'MeanLoss': MeanMetric()}
 
     def update_metric(self, batch, outputs, metric):
         y = unpack(batch)[1]
-        if isinstance(metric, MeanMetric):
+        if isinstance(metric, (MeanMetric, CatMetric)):
             metric.update(torch.nn.functional.cross_entropy(outputs, y, reduction='none'))
         else:
             metric.update(outputs, y)
@@ -62,6 +59,16 @@ class InertModel(ComposerModel):
 
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+class TrainMetricValues(Callback):
+    """What Composer computed for the train metrics at the end of every step (on this rank)."""
+
+    def __init__(self):
+        self.values: list[dict[str, torch.Tensor]] = []
+
+    def batch_end(self, state, logger):
+        self.values.append({k: v.detach().cpu().clone() for k, v in state.train_metric_values.items()})
 
 
 class EvalStates(Callback):
@@ -82,10 +89,10 @@ def train_inert(cfg: dict, **checkpointing) -> dict[str, Any]:
     """
     syncbn_cpu.install()
     rank = dist.get_global_rank()
-    model = InertModel(cfg['model'], cfg.get('loss', 'ce'))
+    model = InertModel(cfg['model'], cfg.get('loss', 'ce'), cfg.get('train_metrics', False))
     from composer.loggers import InMemoryLogger
 
-    memory, evals = InMemoryLogger(), EvalStates(model.module)
+    memory, evals, train_values = InMemoryLogger(), EvalStates(model.module), TrainMetricValues()
     trainer = quiet_trainer(
         model=model,
         train_dataloader=make_loader(cfg, rank),
@@ -93,7 +100,7 @@ def train_inert(cfg: dict, **checkpointing) -> dict[str, Any]:
         optimizers=make_optimizer(cfg, model.parameters()),
         algorithms=[UnevenJoin(**cfg.get('join', {}))]
         + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
-        callbacks=[evals],
+        callbacks=[evals, train_values],
         loggers=[memory],
         device_train_microbatch_size=cfg.get('microbatch'),
         ddp_sync_strategy=cfg.get('sync'),
@@ -109,6 +116,7 @@ def train_inert(cfg: dict, **checkpointing) -> dict[str, Any]:
         'state': _state(model.module),
         'forward_sizes': model.forward_sizes,
         'eval_states': evals.states,
+        'train_metrics': train_values.values,
         'eval': {
             k.split('/')[-1]: [float(v) for _, v in vals]
             for k, vals in memory.data.items()

@@ -64,13 +64,39 @@ class MetricRecorder(Callback):
         self.eval.append(values(state.eval_metric_values))
 
 
+class FourClassClassifier(ComposerClassifier):
+    """The issue-28 user's model: ``ComposerClassifier`` over 4 classes (the data has 3), AUROC and AP on eval.
+
+    With ``probabilities`` the metrics are updated with softmax scores; without, with the logits, as
+    ``ComposerClassifier.update_metric`` does.
+    """
+
+    def __init__(self, probabilities: bool):
+        super().__init__(
+            module=metric_kinds.four_class_module(),
+            num_classes=metric_kinds.FOUR,
+            val_metrics=metric_kinds.four_class_collection(),
+        )
+        self.probabilities = probabilities
+
+    def update_metric(self, batch, outputs, metric):
+        metric.update(outputs.softmax(-1) if self.probabilities else outputs, batch[1])
+
+
 def metric_kinds_run(cfg: dict) -> dict[str, Any]:
-    """One uneven ``fit`` (train metrics at every step), an evaluation at its end (and ``trainer.eval()`` if ``eval_again``)."""
+    """One uneven ``fit`` (train metrics at every step), an evaluation at its end (and ``trainer.eval()`` if ``eval_again``).
+
+    ``cfg['four_classes']`` (True: probabilities, False: logits) trains :class:`FourClassClassifier` instead.
+    """
     rank = dist.get_global_rank()
     x, y = shard(rank, cfg['shards'][rank])
-    ex, ey = shard(50 + rank, cfg['eval_shards'][rank])
-    model = KindsClassifier(
-        cfg.get('train_kinds', metric_kinds.TRAIN_KINDS), cfg.get('eval_kinds', metric_kinds.EVAL_KINDS)
+    ex, ey = shard(cfg.get('eval_seed', 50) + rank, cfg['eval_shards'][rank])
+    model = (
+        FourClassClassifier(cfg['four_classes'])
+        if 'four_classes' in cfg
+        else KindsClassifier(
+            cfg.get('train_kinds', metric_kinds.TRAIN_KINDS), cfg.get('eval_kinds', metric_kinds.EVAL_KINDS)
+        )
     )
     recorder = MetricRecorder()
     trainer = quiet_trainer(

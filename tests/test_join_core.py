@@ -11,6 +11,7 @@ import torch
 
 import reference
 from harness import RankError, launch
+from rank_orders import expand, with_rotations
 
 TOL = 1e-5
 DIVIDE = {'divide_by_initial_world_size': True}
@@ -53,11 +54,28 @@ SCENARIOS: dict[str, dict] = {
     ),
     # three ranks, one of them with no data at all
     'empty_shard': dict(shards=[20, 0, 13], batch_size=4, epochs=2, join=DIVIDE),
+    # only the last rank has data: it sends the template to the others (the lowest rank with data does)
+    'empty_first_ranks': dict(shards=[0, 0, 13], batch_size=4, epochs=2, join=DIVIDE),
     'three_ranks_no_divide': dict(shards=[40, 21, 13], batch_size=8, epochs=2, join=NO_DIVIDE, optimizer='adam'),
     # four ranks, SGD with momentum, two epochs
     'four_ranks_momentum': dict(shards=[32, 24, 16, 8], batch_size=8, epochs=2, join=DIVIDE),
     'four_ranks_one_short': dict(shards=[40, 40, 40, 9], batch_size=8, epochs=1, join=NO_DIVIDE, schedule='cosine'),
 }
+# which rank runs short must not matter: these again with the short (or empty) rank first, in the middle and
+# last; and the ranks whose dataloader misbehaves (claimed length, read error) on the other side too
+ROTATED = [
+    'sgd_2ep_divide',
+    'one_batch_each',
+    'batchnorm',
+    'len_too_short',
+    'loader_fails',
+    'empty_shard',
+    'empty_first_ranks',
+    'three_ranks_no_divide',
+    'four_ranks_momentum',
+    'four_ranks_one_short',
+]
+SCENARIOS = with_rotations(SCENARIOS, ROTATED)
 TORCH_JOIN = {  # equal batch sizes, where torch's DDP.join is defined the same way
     'torch_join_1ep': dict(shards=[32, 24, 16, 8], batch_size=8, epochs=1),
     'torch_join_2ep': dict(shards=[32, 24, 16, 8], batch_size=8, epochs=2),
@@ -101,22 +119,26 @@ def total_samples(cfg: dict) -> int:
 
 @pytest.mark.parametrize(
     'name',
-    [
-        'sgd_2ep_divide',
-        'sgd_2ep_no_divide',
-        'adam_1ep_divide',
-        'adam_2ep_no_divide',
-        'cosine_adam_2ep',
-        'dict_batches_metrics',
-        'tensor_batches',
-        'one_batch_each',
-        'no_len_batches',
-        'no_len_samples',
-        'empty_shard',
-        'three_ranks_no_divide',
-        'four_ranks_momentum',
-        'four_ranks_one_short',
-    ],
+    expand(
+        [
+            'sgd_2ep_divide',
+            'sgd_2ep_no_divide',
+            'adam_1ep_divide',
+            'adam_2ep_no_divide',
+            'cosine_adam_2ep',
+            'dict_batches_metrics',
+            'tensor_batches',
+            'one_batch_each',
+            'no_len_batches',
+            'no_len_samples',
+            'empty_shard',
+            'empty_first_ranks',
+            'three_ranks_no_divide',
+            'four_ranks_momentum',
+            'four_ranks_one_short',
+        ],
+        SCENARIOS,
+    ),
 )
 def test_matches_single_process_reference(runs, name):
     cfg = SCENARIOS[name]
@@ -128,14 +150,18 @@ def test_matches_single_process_reference(runs, name):
 
 @pytest.mark.parametrize(
     'name',
-    [
-        'sgd_2ep_divide',
-        'empty_shard',
-        'four_ranks_momentum',
-        'dict_batches_metrics',
-        'one_batch_each',
-        'three_ranks_no_divide',
-    ],
+    expand(
+        [
+            'sgd_2ep_divide',
+            'empty_shard',
+            'empty_first_ranks',
+            'four_ranks_momentum',
+            'dict_batches_metrics',
+            'one_batch_each',
+            'three_ranks_no_divide',
+        ],
+        SCENARIOS,
+    ),
 )
 def test_every_batch_trained_once_and_epochs_end_together(runs, name):
     cfg = SCENARIOS[name]
@@ -160,7 +186,18 @@ def test_tokens_count_real_data_only(runs):
 
 
 @pytest.mark.parametrize(
-    'name', ['sgd_2ep_divide', 'adam_2ep_no_divide', 'empty_shard', 'four_ranks_momentum', 'batchnorm']
+    'name',
+    expand(
+        [
+            'sgd_2ep_divide',
+            'adam_2ep_no_divide',
+            'empty_shard',
+            'empty_first_ranks',
+            'four_ranks_momentum',
+            'batchnorm',
+        ],
+        SCENARIOS,
+    ),
 )
 def test_replicas_identical_after_every_step(runs, name):
     per_rank = ok(runs, name)
@@ -172,7 +209,7 @@ def test_replicas_identical_after_every_step(runs, name):
         assert torch.equal(first['optimizer'], res['optimizer']), f'{name}: optimizer state differs on rank {rank}'
 
 
-@pytest.mark.parametrize('name', ['cosine_adam_2ep', 'four_ranks_one_short'])
+@pytest.mark.parametrize('name', expand(['cosine_adam_2ep', 'four_ranks_one_short'], SCENARIOS))
 def test_one_schedule_on_all_ranks(runs, name):
     cfg = SCENARIOS[name]
     per_rank = ok(runs, name)
@@ -183,7 +220,7 @@ def test_one_schedule_on_all_ranks(runs, name):
 
 
 def test_batchnorm_statistics_never_see_shadow_data(runs):
-    for name in ('batchnorm', 'batchnorm_rank0_short'):
+    for name in expand(['batchnorm', 'batchnorm_rank0_short'], SCENARIOS):
         cfg = SCENARIOS[name]
         ref = reference.train(cfg)
         for rank, res in enumerate(ok(runs, name)):
@@ -232,21 +269,26 @@ def test_batches_with_lists_of_strings_are_shadowed_like_tensor_batches(runs):
         assert res['reports'][0]['real_samples'] == [16, 8]
 
 
-def test_a_len_that_hides_batches_is_a_hint_every_batch_is_trained(runs):
-    # rank 1's len() says 2 batches, it yields 5: the epoch goes on past the longest len() (3), on agreed steps
-    per_rank = ok(runs, 'len_too_short')
-    ref = reference.train(SCENARIOS['len_too_short'])
+@pytest.mark.parametrize('name', expand(['len_too_short'], SCENARIOS))
+def test_a_len_that_hides_batches_is_a_hint_every_batch_is_trained(runs, name):
+    # one rank's len() says 2 batches, it yields 5: the epoch goes on past the longest len() (3), on agreed steps
+    per_rank = ok(runs, name)
+    ref = reference.train(SCENARIOS[name])
     assert ref['steps_per_epoch'] == 5
-    reference.assert_like_reference('len_too_short', per_rank, ref['params'], TOL)
+    reference.assert_like_reference(name, per_rank, ref['params'], TOL)
     for res in per_rank:
         assert res['timestamp']['batch'] == 5 and res['timestamp']['sample'] == 64
         assert res['dataloader_len'] == 3  # what schedules read: the longest len()
 
 
-def test_a_failing_dataloader_stops_every_rank_without_a_hang(runs):
-    rank0, rank1 = runs['loader_fails']
-    assert rank0.type == 'UnevenInputsError' and 'rank(s) [1] could not form batch 2' in rank0.message
-    assert rank1.type == 'RuntimeError' and 'disk read error at sample 20' in rank1.message
+@pytest.mark.parametrize('name', expand(['loader_fails'], SCENARIOS))
+def test_a_failing_dataloader_stops_every_rank_without_a_hang(runs, name):
+    (failing,) = SCENARIOS[name]['fail_at']  # rank 1, or rank 0 when rotated
+    for rank, res in enumerate(runs[name]):
+        if rank == failing:
+            assert res.type == 'RuntimeError' and 'disk read error at sample 20' in res.message
+        else:
+            assert res.type == 'UnevenInputsError' and f'rank(s) [{failing}] could not form batch 2' in res.message
 
 
 def test_disabled_is_exactly_stock_composer(runs):

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 import reference
 from harness import RankError, launch
+from rank_orders import base, expand, with_rotations
 from toy import make_module, per_sample_loss, shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,10 @@ SCENARIOS: dict[str, dict] = {
     'four_ranks_4_1': dict(shards=[64, 16, 16, 16], batch_size=8, epochs=2, join=RB),
     'map_skewed_sampler': dict(shards=[30, 10, 0, 8], batch_size=4, epochs=2, dataset='skewed', join=RB),
 }
-TRAINED = [n for n in SCENARIOS if n not in ('gift_read_fails', 'len_too_short', 'unpicklable')]
+# which rank is short (the receiver) or long (the donor) must not matter: these again with the ranks rotated;
+# the failing and the unpicklable donor on the last rank too
+SCENARIOS = with_rotations(SCENARIOS, ['ratio_2_1', 'empty_dict', 'empty_three', 'gift_read_fails', 'unpicklable'])
+TRAINED = [n for n in SCENARIOS if base(n) not in ('gift_read_fails', 'len_too_short', 'unpicklable')]
 
 
 @pytest.fixture(scope='module')
@@ -206,7 +210,9 @@ def assert_report_matches(report: dict, steps: list, world: int) -> None:
     assert all((report['bytes_sent'][r] > 0) == (report['given_batches'][r] > 0) for r in range(world))
 
 
-@pytest.mark.parametrize('name', ['ratio_2_1', 'empty_three', 'four_ranks_4_1', 'map_skewed_sampler', 'empty_dict'])
+@pytest.mark.parametrize(
+    'name', expand(['ratio_2_1', 'empty_three', 'four_ranks_4_1', 'map_skewed_sampler', 'empty_dict'], SCENARIOS)
+)
 def test_report_counts_own_received_given_shadow_and_bytes(runs, name):
     cfg = SCENARIOS[name]
     world = len(cfg['shards'])
@@ -240,7 +246,7 @@ def test_each_sample_id_once_per_epoch_with_a_map_style_sampler(runs):
 
 
 def test_received_batches_are_real_batches_in_state_batch(runs):
-    for name in ('empty_dict', 'empty_three'):
+    for name in expand(['empty_dict', 'empty_three'], SCENARIOS):
         cfg = SCENARIOS[name]
         empty = cfg['shards'].index(0)
         for steps in observed(cfg, ok(runs, name)):
@@ -258,10 +264,12 @@ def test_non_tensor_content_moves_with_the_batch(runs):
         assert s['text'] == [f'sample {int(v)}' for v in y[start : start + 8]]
 
 
-def test_a_failing_donor_stops_every_rank_without_a_hang(runs):
-    donor, receiver = runs['gift_read_fails']
+@pytest.mark.parametrize('name', expand(['gift_read_fails'], SCENARIOS))
+def test_a_failing_donor_stops_every_rank_without_a_hang(runs, name):
+    (d,) = SCENARIOS[name]['fail_at']  # rank 0, or the last rank when rotated
+    donor, receiver = runs[name][d], runs[name][1 - d]
     assert donor.type == 'RuntimeError' and 'disk read error at sample 20' in donor.message
-    assert receiver.type == 'UnevenInputsError' and 'rank 0 could not read or send' in receiver.message
+    assert receiver.type == 'UnevenInputsError' and f'rank {d} could not read or send' in receiver.message
 
 
 def test_a_len_that_hides_batches_stops_every_rank(runs):
@@ -271,12 +279,15 @@ def test_a_len_that_hides_batches_stops_every_rank(runs):
     assert 'rank(s) [0] could not form batch' in rank1.message
 
 
-def test_a_batch_that_cannot_be_sent_stops_every_rank_with_a_clear_error(runs):
-    donor, receiver = runs['unpicklable']
+@pytest.mark.parametrize('name', expand(['unpicklable'], SCENARIOS))
+def test_a_batch_that_cannot_be_sent_stops_every_rank_with_a_clear_error(runs, name):
+    shards = SCENARIOS[name]['shards']
+    d = shards.index(max(shards))  # the donor: rank 0, or the last rank when rotated
+    donor, receiver = runs[name][d], runs[name][1 - d]
     assert donor.type == 'UnevenInputsError'
-    assert 'rank 0 cannot send the batch rank 1 is to train at step 1' in donor.message
+    assert f'rank {d} cannot send the batch rank {1 - d} is to train at step 1' in donor.message
     assert "use mode='shadow'" in donor.message
-    assert receiver.type == 'UnevenInputsError' and 'rank 0 could not read or send' in receiver.message
+    assert receiver.type == 'UnevenInputsError' and f'rank {d} could not read or send' in receiver.message
 
 
 # -- the schedule's properties and the argument, without ranks -----------------------------------------

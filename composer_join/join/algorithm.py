@@ -219,6 +219,7 @@ class UnevenJoin(Algorithm):
         self._train_loader: Optional[JoinLoader] = None
         self._eval_loaders: dict[str, JoinLoader] = {}
         self._templates: dict[str, Any] = {}  # per dataloader label: two prepared samples
+        self._fed_template = True  # the current train microbatch's forward ran on the batch _shadow_input gave it
         self._wrapper: Optional[Wrapper] = None  # DDP's, FSDP's or none: chosen at the first start
         self._shadow = False  # the current microbatch is a stand-in (joined rank, or padding)
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
@@ -295,7 +296,8 @@ class UnevenJoin(Algorithm):
             self._wrapper.start_step(self.plan)
         elif event == Event.BEFORE_FORWARD:
             samples = self._microbatch_start(state)
-            if not self._wrapper.before_forward(state, self.plan, samples, self._shadow):
+            self._fed_template = not self._wrapper.before_forward(state, self.plan, samples, self._shadow)
+            if self._fed_template:
                 self._shadow_input(state)
         elif event == Event.AFTER_FORWARD:
             self._wrapper.after_forward(state, self.plan)
@@ -453,11 +455,16 @@ class UnevenJoin(Algorithm):
             if label not in self._templates:
                 self._templates[label] = first_samples(state.batch, TEMPLATE_SAMPLES)
             return
-        if label not in self._templates:  # never had data of its own: the template other ranks sent
+        state.batch = first_samples(self._template(state), TEMPLATE_SAMPLES)
+
+    def _template(self, state: State) -> Any:
+        """The current dataloader's template: this rank's first samples, or (never had data) the one other ranks sent."""
+        label = state.dataloader_label
+        if label not in self._templates:
             self._templates[label] = state.device.batch_to_device(
                 first_samples(self._loader.template, TEMPLATE_SAMPLES)
             )
-        state.batch = first_samples(self._templates[label], TEMPLATE_SAMPLES)
+        return self._templates[label]
 
     def _stand_in_for_others(self, state: State) -> bool:
         """A shadow step's ``AFTER_DATALOADER``: run first (returns True) and last (False), see :mod:`.passes`.
@@ -483,11 +490,14 @@ class UnevenJoin(Algorithm):
     def _after_backward(self, state: State) -> None:
         self._wrapper.after_backward(state, self.plan, self._shadow)
         if self._shadow and state.train_metrics:
-            template = self._templates[state.dataloader_label]
+            # The metrics see the batch the forward ran on: the template, or (a forward that communicates,
+            # run on the zero-sample batch) none of it; without outputs (skipped forward) eval_forward runs it.
+            template = self._template(state)
+            rows = TEMPLATE_SAMPLES if self._fed_template or state.outputs is None else 0
             self._metric_states.probe(
                 state.dataloader_label,
                 state.train_metrics,
-                shadow_update(state, lambda: first_samples(template, TEMPLATE_SAMPLES)),
+                shadow_update(state, lambda: first_samples(template, rows)),
             )
             self._stash_metrics(state.train_metrics)
 

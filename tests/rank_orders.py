@@ -1,0 +1,85 @@
+"""Every multi-rank scenario again with its ranks rotated: which rank runs short must not matter.
+
+A scenario config gives its ranks' data per rank: lists indexed by rank (``shards``,
+``eval_shards``) and dicts keyed by rank (``claimed_len``, ``fail_at``). :func:`rotate` moves rank
+``r``'s part of all of them to rank ``(r + k) % W`` at once, so a rotated scenario is the same
+scenario with other ranks in each role; its reference follows, since every reference reads the
+same config (rank ``r`` reads ``shard(r, shards[r])``). :func:`with_rotations` adds, per scenario,
+the rotations that put its shortest rank (the empty one, if any) first, in the middle and last,
+as ``'<name>@<k>'``; the tests parametrize over the result and group every rotation into the
+launch of its world size. Not a test module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional
+
+PER_RANK_LISTS = ('shards', 'eval_shards')
+PER_RANK_DICTS = ('claimed_len', 'fail_at')
+
+
+def world_size(cfg: dict[str, Any]) -> int:
+    return len(cfg['shards'])
+
+
+def rotate(cfg: dict[str, Any], k: int) -> dict[str, Any]:
+    """``cfg`` with rank ``r``'s per-rank data given to rank ``(r + k) % W``."""
+    w = world_size(cfg)
+    out = dict(cfg)
+    for key in PER_RANK_LISTS:
+        if cfg.get(key) is not None:
+            out[key] = [cfg[key][(i - k) % w] for i in range(w)]
+    for key in PER_RANK_DICTS:
+        if cfg.get(key):
+            out[key] = {(r + k) % w: v for r, v in cfg[key].items()}
+    return out
+
+
+def _shortest(cfg: dict[str, Any]) -> int:
+    """The rank with the least data: fewest train samples, then fewest eval samples (the first such rank)."""
+    evals = cfg.get('eval_shards') or [0] * world_size(cfg)
+    sizes = [(n, e) for n, e in zip(cfg['shards'], evals)]
+    return sizes.index(min(sizes))
+
+
+def rotations(cfg: dict[str, Any]) -> list[int]:
+    """The rotations ``k`` (not 0) that, with the original, put the shortest rank first, in the middle and last.
+
+    Rotations that leave every per-rank field as it is (equal shards) are left out.
+    """
+    w = world_size(cfg)
+    if w < 2:
+        return []
+    short = _shortest(cfg)
+    middle = range(1, w - 1)
+    wanted = sorted({0, w - 1} | (set() if short in middle or not middle else {w // 2}) - {short})
+    ks = [(p - short) % w for p in wanted]
+    return [k for k in ks if rotate(cfg, k) != cfg]
+
+
+def rotated_name(name: str, k: int) -> str:
+    return f'{name}@{k}'
+
+
+def with_rotations(scenarios: dict[str, dict], names: Optional[Iterable[str]] = None) -> dict[str, dict]:
+    """``scenarios`` and, for each of ``names`` (default: all), its :func:`rotations` as ``'<name>@<k>'``."""
+    out = dict(scenarios)
+    for name in scenarios if names is None else names:
+        for k in rotations(scenarios[name]):
+            out[rotated_name(name, k)] = rotate(scenarios[name], k)
+    return out
+
+
+def expand(names: Iterable[str], scenarios: dict[str, dict]) -> list[str]:
+    """``names`` with each one's rotated variants present in ``scenarios`` after it (for ``parametrize``)."""
+    out = []
+    for name in names:
+        out.append(name)
+        out.extend(n for n in scenarios if n.startswith(name + '@'))
+    return out
+
+
+def base(name: str) -> str:
+    """The scenario a (possibly rotated) name was made from."""
+    return name.split('@')[0]

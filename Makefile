@@ -3,18 +3,28 @@
 #   make demo    the package alone (Composer, torch): about 2 min the first time (torch 2.7.0 and its CUDA
 #                libraries come from PyPI: Composer pins torch <2.7.1)
 #   make test    every extra (tests, examples, benchmarks, llm-foundry, docs, lint): about 10 min the first time
+#   make test-torch26  a second environment (.venv-torch26) with torch 2.6.0 and the test extra: ~6 GB from PyPI
+#                (torch 2.6.0's CUDA build, the only Linux one there), then a smoke subset; docs/compatibility.md
 VENV ?= .venv
 PYTHON ?= python3
 PIP := $(VENV)/bin/pip --disable-pip-version-check
 ALL_EXTRAS := test,examples,bench,llmfoundry,docs,lint,package
 
-.PHONY: demo test lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
+.PHONY: demo test test-torch26 lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
 
 demo: $(VENV)/.installed-core
 	$(VENV)/bin/composer -n 2 examples/demo.py
 
 test: $(VENV)/.installed-all
 	$(VENV)/bin/pytest
+
+# The lowest torch Composer 0.32.1 accepts (2.6.0), in a second environment of its own: a smoke subset of the
+# suite (DDP and its reducer hooks, every sync strategy, FSDP1, rebalancing, resumption); docs/compatibility.md.
+VENV_TORCH26 ?= .venv-torch26
+TORCH26_TESTS ?= tests/test_sync_strategies.py tests/test_resumption.py tests/test_rebalance.py tests/test_fsdp.py
+
+test-torch26: $(VENV_TORCH26)/.installed-test
+	$(VENV_TORCH26)/bin/pytest -p no:cacheprovider $(TORCH26_TESTS)
 
 lint: $(VENV)/.installed-lint   # what CI runs: ruff (lint and format check) and mypy
 	$(VENV)/bin/ruff check .
@@ -72,7 +82,13 @@ $(VENV)/.installed-%: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install --quiet -e '.[$*]'
 	touch $(VENV)/.installed-core $@
 
+# torch 2.6.0 and its torchvision; the rest as Composer 0.32.1 and the test extra resolve it.
+$(VENV_TORCH26)/.installed-test: pyproject.toml
+	$(PYTHON) -m venv $(VENV_TORCH26)
+	$(VENV_TORCH26)/bin/pip --disable-pip-version-check install --quiet torch==2.6.0 torchvision==0.21.0 -e '.[test]'
+	touch $@
+
 comma := ,
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache docs/_build dist build
+	rm -rf $(VENV) $(VENV_TORCH26) .pytest_cache .hypothesis .mypy_cache .ruff_cache docs/_build dist build

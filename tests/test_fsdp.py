@@ -15,6 +15,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
+from packaging.version import Version
 
 import devices
 import reference
@@ -26,14 +28,31 @@ from test_rebalance_unsized import observed, replay, simulate
 
 TOL = 1e-6  # against the reference and against DDP, for models without BatchNorm
 BN_TOL = 1e-5  # BatchNorm on 2-3 sample microbatches amplifies rounding: the float32 reference is 1.9e-6 from float64's
-WRAPPERS = ['fsdp1', 'fsdp2']
+ALL_WRAPPERS = ['fsdp1', 'fsdp2']
+# Composer 0.32.1's FSDP2 on CPU needs torch 2.7: under torch 2.6 (make test-torch26) it fails in stock Composer
+# too, so its scenarios are not launched there and their tests are skipped with this reason (never under 2.7).
+FSDP2_RUNS = Version(torch.__version__.split('+')[0]) >= Version('2.7')
+FSDP2_SKIP = pytest.mark.skipif(
+    not FSDP2_RUNS,
+    reason="torch < 2.7: Composer 0.32.1's FSDP2 on CPU fails in stock Composer too "
+    "('Stream' object has no attribute 'record_event'); docs/compatibility.md",
+)
+WRAPPERS = [w for w in ALL_WRAPPERS if w != 'fsdp2' or FSDP2_RUNS]  # launched
 BASE = dict(shards=[40, 21], batch_size=8, epochs=2)
+
+
+def by_wrapper(value: str, wrapper: str):
+    """``value`` as a test parameter, skipped (with the reason) where ``wrapper`` is FSDP2 and FSDP2 cannot run."""
+    return pytest.param(value, marks=FSDP2_SKIP) if wrapper == 'fsdp2' else value
+
+
+WRAPPER_PARAMS = [by_wrapper(w, w) for w in ALL_WRAPPERS]
 
 SCENARIOS: dict[str, dict] = {
     'ddp_sgd': dict(BASE, wrapper='ddp', join=DIVIDE),
     'ddp_microbatch': dict(BASE, wrapper='ddp', microbatch=3, optimizer='adam', join=NO_DIVIDE),
 }
-for w in WRAPPERS:
+for w in ALL_WRAPPERS:
     SCENARIOS.update(
         {
             f'{w}_sgd': dict(BASE, wrapper=w, join=DIVIDE),
@@ -75,7 +94,7 @@ for w in WRAPPERS:
         }
     )
 THREE: dict[str, dict] = {}
-for w in WRAPPERS:
+for w in ALL_WRAPPERS:
     THREE.update(
         {
             f'{w}_empty_shard': dict(shards=[20, 0, 13], batch_size=4, epochs=2, microbatch=3, wrapper=w, join=DIVIDE),
@@ -91,7 +110,7 @@ for w in WRAPPERS:
 # batches. Samples carry ids (tests/scenarios_readahead.py), so the test sees which batch each rank trains.
 RB = {'mode': 'rebalance'}
 REBALANCE: dict[str, dict] = {}
-for w in WRAPPERS:
+for w in ALL_WRAPPERS:
     common = dict(batch_size=8, microbatch=3, wrapper=w, ids=True, join=RB)
     REBALANCE.update(
         {
@@ -110,7 +129,7 @@ for w in WRAPPERS:
 # Collectives per step, 2 ranks, batch 8, microbatch 3 (3 microbatches on a full batch). Step 2 of
 # 'uneven' has 8 and 4 samples (3 and 2 microbatches); step 2 of 'shadow' has a shadow rank.
 COUNTED: dict[str, dict] = {}
-for w in WRAPPERS:
+for w in ALL_WRAPPERS:
     common = dict(batch_size=8, epochs=1, microbatch=3, wrapper=w, count_collectives=True)
     COUNTED[f'{w}_count_stock'] = dict(common, shards=[16, 16], join=None)
     COUNTED[f'{w}_count_uneven'] = dict(common, shards=[24, 20], join=DIVIDE)
@@ -126,7 +145,7 @@ def runs(tmp_path_factory) -> dict:
     two = [
         (name, 'scenarios_fsdp:train', {'cfg': cfg})
         for name, cfg in {**SCENARIOS, **COUNTED, **REBALANCE}.items()
-        if len(cfg['shards']) == 2
+        if len(cfg['shards']) == 2 and cfg['wrapper'] in ('ddp', *WRAPPERS)
     ]
     for w in WRAPPERS:
         save = dict(CHECKPOINT, wrapper=w, save_folder=folders[w])
@@ -145,7 +164,7 @@ def runs(tmp_path_factory) -> dict:
             [
                 (name, 'scenarios_fsdp:train', {'cfg': cfg})
                 for name, cfg in {**THREE, **REBALANCE}.items()
-                if len(cfg['shards']) == 3
+                if len(cfg['shards']) == 3 and cfg['wrapper'] in WRAPPERS
             ],
             timeout=300,
         )
@@ -163,7 +182,7 @@ def check_reference(name: str, cfg: dict, per_rank: list[dict], tol: float = TOL
         assert res['timestamp']['batch'] == ref['steps_per_epoch'] * cfg['epochs']
 
 
-@pytest.mark.parametrize('w', WRAPPERS)
+@pytest.mark.parametrize('w', WRAPPER_PARAMS)
 def test_every_sample_trained_and_equal_to_reference_and_ddp(runs, w):
     for case in ('sgd', 'microbatch'):
         name = f'{w}_{case}'
@@ -175,7 +194,7 @@ def test_every_sample_trained_and_equal_to_reference_and_ddp(runs, w):
         assert report['real_batches'] == [5, 3] and report['shadow_steps'] == [0, 2]
 
 
-@pytest.mark.parametrize('w', WRAPPERS)
+@pytest.mark.parametrize('w', WRAPPER_PARAMS)
 def test_uneven_microbatch_counts_are_padded_with_shadow_microbatches(runs, w):
     name = f'{w}_microbatch'
     rank0, rank1 = ok(runs, name)
@@ -186,14 +205,14 @@ def test_uneven_microbatch_counts_are_padded_with_shadow_microbatches(runs, w):
     check_reference(f'{w}_fixes_stock_hang', SCENARIOS[f'{w}_fixes_stock_hang'], ok(runs, f'{w}_fixes_stock_hang'))
 
 
-@pytest.mark.parametrize('w', WRAPPERS)
+@pytest.mark.parametrize('w', WRAPPER_PARAMS)
 def test_three_ranks_and_an_empty_shard(runs, w):
     for case in ('empty_shard', 'three_ranks'):
         name = f'{w}_{case}'
         check_reference(name, THREE[name], ok(runs, name))
 
 
-@pytest.mark.parametrize('w', WRAPPERS)
+@pytest.mark.parametrize('w', WRAPPER_PARAMS)
 @pytest.mark.parametrize('case', ['batchnorm', 'batchnorm_rank0_short'])
 def test_batchnorm_buffers_see_only_real_forwards(runs, w, case):
     name = f'{w}_{case}'
@@ -206,13 +225,13 @@ def test_batchnorm_buffers_see_only_real_forwards(runs, w, case):
         assert diff < BN_TOL, f'{name}: rank {rank} buffers are {diff:.2e} from its own real forwards'
 
 
-@pytest.mark.parametrize('w', WRAPPERS)
+@pytest.mark.parametrize('w', WRAPPER_PARAMS)
 def test_throw_on_early_termination_stops_every_rank(runs, w):
     for res in ok(runs, f'{w}_throw'):
         assert 'rank(s) [1] ran out of data at step 3 of epoch 0' in res['error']
 
 
-@pytest.mark.parametrize('w', WRAPPERS)
+@pytest.mark.parametrize('w', WRAPPER_PARAMS)
 @pytest.mark.parametrize('case', ['eval', 'eval_only'])
 def test_uneven_evaluation_is_exact(runs, w, case):
     # eval shards of 20 and 7 samples, batch 4, eval microbatch 3: a full batch is 2 microbatches, a
@@ -226,6 +245,10 @@ def test_uneven_evaluation_is_exact(runs, w, case):
 def test_branch_unused_by_some_rank(runs):
     # FSDP1 reduce-scatters whole flat parameters (zeros where unused), so the branch trains as under DDP
     check_reference('fsdp1_branch', SCENARIOS['fsdp1_branch'], ok(runs, 'fsdp1_branch'))
+
+
+@FSDP2_SKIP
+def test_branch_unused_by_some_rank_is_refused_under_fsdp2(runs):
     # FSDP2 reduce-scatters only parameters with a gradient: ranks would disagree; every rank says so at once
     for res in ok(runs, 'fsdp2_branch'):
         assert res['error'].startswith("at step 0, ranks' microbatches give gradients to different parameters")
@@ -233,7 +256,7 @@ def test_branch_unused_by_some_rank(runs):
         assert res['timestamp']['batch'] == 0
 
 
-@pytest.mark.parametrize('w', WRAPPERS)
+@pytest.mark.parametrize('w', WRAPPER_PARAMS)
 def test_sharded_checkpoint_taken_mid_join_resumes_to_the_same_weights(runs, w):
     saved, resumed = ok(runs, f'{w}_ckpt_save'), ok(runs, f'{w}_ckpt_resume')
     cfg = dict(CHECKPOINT, wrapper=w)
@@ -254,7 +277,7 @@ def counts(runs, name: str, step: int) -> dict[str, int]:
     return per_rank[0]['collectives'][step]
 
 
-@pytest.mark.parametrize('w', WRAPPERS)
+@pytest.mark.parametrize('w', WRAPPER_PARAMS)
 def test_collectives_per_step(runs, w):
     stock = counts(runs, f'{w}_count_stock', 1)
     microbatches = 3
@@ -310,7 +333,7 @@ def test_stock_composer_fsdp_hangs_on_uneven_microbatch_counts():
         assert all(res['steps_completed'] == 2 for res in per_rank), f'{w}: {per_rank}'
 
 
-@pytest.mark.parametrize('name', list(REBALANCE))
+@pytest.mark.parametrize('name', [by_wrapper(n, REBALANCE[n]['wrapper']) for n in REBALANCE])
 def test_rebalance_trains_every_batch_once_padded_and_equal_to_the_reference(runs, name):
     cfg = REBALANCE[name]
     per_rank = ok(runs, name)

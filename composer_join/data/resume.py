@@ -32,6 +32,12 @@ finished epochs' reports, the current epoch's partial report (so the report afte
 counts every step trained in that epoch, before and after the checkpoint, and none spun past)
 and the wrapper's state (under DDP: the rank it broadcasts buffers from). All of it is the same on every rank.
 
+A checkpoint resumes on another world size only at an epoch boundary (:func:`check_world_size`): there
+every rank starts its shard of the new epoch from the beginning, whatever the sampler's (or dataset's)
+sharding for the new world size; the finished epochs' reports keep their own world size. Mid-epoch, which
+samples each rank has already trained belongs to the old sharding, so every rank stops with an error
+naming both world sizes (stock Composer spins the new shards past a position of the old ones).
+
 Example::
 
     trainer = Trainer(..., algorithms=[UnevenJoin()], save_folder='ckpt', save_interval='1ba')
@@ -55,7 +61,16 @@ from composer_join.core.errors import UnevenInputsError
 from composer_join.core.report import EpochReport
 from composer_join.rebalance.rebalance import Rebalancer
 
-__all__ = ['RankDatasets', 'own_sample_counts', 'restore', 'resume_counts', 'snapshot', 'train_position']
+__all__ = [
+    'RankDatasets',
+    'check_world_size',
+    'own_sample_counts',
+    'restore',
+    'resume_counts',
+    'saved_world_size',
+    'snapshot',
+    'train_position',
+]
 
 
 def train_position(state: State) -> tuple[int, int, int]:
@@ -186,11 +201,42 @@ def snapshot(
     ``ranks``: :meth:`RankDatasets.gather`'s per-rank dataset states, if the dataset resumes itself.
     """
     return {
+        'world_size': dist.get_world_size(),
         'reports': [copy.deepcopy(vars(r)) for r in reports],
         'current': None if current is None else copy.deepcopy(vars(current)),
         'wrapper': copy.deepcopy(wrapper),
         'ranks': ranks,
     }
+
+
+def saved_world_size(saved: dict[str, Any]) -> Optional[int]:
+    """The world size that saved :func:`snapshot`'s ``saved`` (checkpoints of 0.1.0: from its reports), None if unknown."""
+    if 'world_size' in saved:
+        return int(saved['world_size'])
+    reports = [r for r in (saved.get('current'), *saved.get('reports', [])) if r is not None]
+    return int(reports[0]['world_size']) if reports else None
+
+
+def check_world_size(saved: Optional[int], state: State) -> bool:
+    """At ``FIT_START``, resuming a checkpoint saved by ``saved`` ranks: True if the world size changed.
+
+    Resuming on another world size is sound at an epoch boundary (every rank starts its new shard
+    from the beginning) and is then allowed. Mid-epoch it raises :class:`UnevenInputsError`, the same
+    on every rank (every rank loaded the same checkpoint; no collective), naming both world sizes.
+    """
+    world = dist.get_world_size()
+    if saved is None or saved == world:
+        return False
+    epoch, batch = int(state.timestamp.epoch), int(state.timestamp.batch_in_epoch)
+    if batch > 0:
+        raise UnevenInputsError(
+            f'this checkpoint was saved by {saved} ranks in the middle of epoch {epoch} (after batch {batch} of it), '
+            f'and this run has {world} ranks: which samples each rank has trained in that epoch belongs to the '
+            f"{saved} ranks' shards, so resuming on {world} would train some samples twice and skip others. Resume "
+            f'on {saved} ranks, or from a checkpoint saved at an epoch boundary (e.g. save_interval="1ep"), which '
+            f'resumes on any number of ranks.',
+        )
+    return True
 
 
 def restore(

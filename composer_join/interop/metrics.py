@@ -52,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
-__all__ = ['MetricStates', 'shadow_update']
+__all__ = ['MetricStates', 'count_shadow_update', 'shadow_update']
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,25 @@ class MetricStates:
         for i in uneven:
             _, leaf, attr, empty = padding[i]
             getattr(leaf, attr).extend(_to(empty, leaf.device) for _ in range(longest[i] - counts[i]))
+
+
+def count_shadow_update(metrics: dict[str, Metric]) -> None:
+    """After a step (or eval batch) this rank shadowed: count it as an update of zero samples of ``metrics``.
+
+    Composer resets the train metrics at every batch and computes them after it. A rank that shadowed
+    the whole batch never updated them, and torchmetrics' ``compute`` then warns (on global rank 0 only)
+    that it was called before ``update``, a warning no rank with data gives: under ``-W error``
+    (Composer's own test configuration) that rank would raise alone while the others wait for it in the
+    metric's sync. Every rank's states together did see the batch, so this rank's empty share counts as
+    an update: torchmetrics' update counter goes to 1 on every metric (and metric inside it) still at
+    0, as an update with no samples would set it; the states keep their defaults, which add nothing.
+    Call only where some rank had data (a shadow step): where no rank updated, the warning is Composer's.
+    """
+    for metric in metrics.values():
+        if isinstance(metric, Metric):
+            for leaf in _leaves(metric):
+                if leaf._update_count == 0:
+                    leaf._update_count = 1
 
 
 def _element_empty(leaf: Metric, attr: str) -> Any:

@@ -62,9 +62,18 @@ from composer_join.core.batches import first_samples
 from composer_join.core.plan import StepPlan, agree_on_length
 from composer_join.core.report import EpochReport
 from composer_join.core.settings import row as settings_row
-from composer_join.data.resume import RankDatasets, own_sample_counts, restore, resume_counts, snapshot, train_position
+from composer_join.data.resume import (
+    RankDatasets,
+    check_world_size,
+    own_sample_counts,
+    restore,
+    resume_counts,
+    saved_world_size,
+    snapshot,
+    train_position,
+)
 from composer_join.interop.closures import agree_on_closures
-from composer_join.interop.metrics import MetricStates, shadow_update
+from composer_join.interop.metrics import MetricStates, count_shadow_update, shadow_update
 from composer_join.interop.oom import EvalRetry
 from composer_join.interop.predict import PREDICT_EVENTS, empty_outputs
 from composer_join.interop.refusals import refuse_incompatible
@@ -227,6 +236,7 @@ class UnevenJoin(Algorithm):
         self._resumed_report: Optional[EpochReport] = None  # the checkpoint's partial epoch, until FIT_START
         self._wrapper_state: dict[str, Any] = {}  # the checkpoint's wrapper state, until the wrapper exists
         self._eval_retry = EvalRetry()  # automatic eval microbatching: undo a retried batch's metric updates
+        self._resumed_world: Optional[int] = None  # the world size that saved the checkpoint, until FIT_START
         self._rank_datasets: Optional[RankDatasets] = None  # a train dataset that resumes itself, per rank
         self._resumed_ranks: Optional[list] = None  # the checkpoint's per-rank dataset states, until FIT_START
         self._state: Optional[State] = None  # set at every start: composer_join.join.passes asks about microbatches
@@ -263,6 +273,7 @@ class UnevenJoin(Algorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Called by Composer when it loads a checkpoint (``load_path``, ``autoresume``), before ``fit``."""
         self.reports, self._resumed_report, self._wrapper_state, self._resumed_ranks = restore(state)
+        self._resumed_world = saved_world_size(state)
         if self._wrapper is not None:
             self._wrapper.load_state_dict(self._wrapper_state)
 
@@ -314,9 +325,11 @@ class UnevenJoin(Algorithm):
         elif event == Event.AFTER_BACKWARD:
             self._after_backward(state)
         elif event in (Event.AFTER_TRAIN_BATCH, Event.EVAL_BATCH_END):
-            self._unstash_metrics()
+            shadowed = self._unstash_metrics()
             label = state.dataloader_label
             metrics = state.train_metrics if event == Event.AFTER_TRAIN_BATCH else state.eval_metrics.get(label)
+            if shadowed:  # no "compute before update" warning that the ranks with data do not give
+                count_shadow_update(metrics or {})
             self._metric_states.fill(label, metrics or {})  # Composer computes them next
         elif event == Event.EPOCH_END:
             self._epoch_end(logger)
@@ -367,6 +380,10 @@ class UnevenJoin(Algorithm):
         return self._active
 
     def _fit_start(self, state: State) -> None:
+        if check_world_size(self._resumed_world, state):  # resumed at an epoch boundary on another world size
+            self._resumed_report = None  # a finished epoch's, of the old ranks
+            self._wrapper.load_state_dict({})  # DDP: buffers are equal on every rank in a checkpoint
+        self._resumed_world = None
         self._train_loader = self._loader = loader = join_dataloader(
             state,
             self._train_loader,
@@ -511,11 +528,14 @@ class UnevenJoin(Algorithm):
             self._stashed_metrics = (metrics, dict(metrics))
         metrics.clear()
 
-    def _unstash_metrics(self) -> None:
-        if self._stashed_metrics is not None:
-            metrics, saved = self._stashed_metrics
-            metrics.update(saved)
-            self._stashed_metrics = None
+    def _unstash_metrics(self) -> bool:
+        """Refill the metrics :meth:`_stash_metrics` emptied; True if there were any (a shadow microbatch ran)."""
+        if self._stashed_metrics is None:
+            return False
+        metrics, saved = self._stashed_metrics
+        metrics.update(saved)
+        self._stashed_metrics = None
+        return True
 
     # -- EPOCH_END ---------------------------------------------------------------------------------
 

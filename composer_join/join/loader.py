@@ -64,6 +64,7 @@ from typing import Any, Optional, cast
 
 import torch
 from composer.core import DataSpec, State
+from composer.trainer.trainer import _get_distributed_sampler
 from composer.utils import dist
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -587,14 +588,15 @@ def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, in
 
 
 def _distributed_sampler(dataloader: Any) -> Optional[DistributedSampler]:
+    """The ``DistributedSampler`` Composer itself would find in ``dataloader`` (under a rebalancer), else None.
+
+    Composer's own look-up (``_get_distributed_sampler``: ``batch_sampler`` first, then ``sampler``), so that
+    UnevenJoin reshuffles exactly the samplers Composer reshuffles, and leaves evaluation padding to Composer
+    exactly where Composer removes it.
+    """
     if isinstance(dataloader, Rebalancer):
         dataloader = dataloader.dataloader
-    if not isinstance(dataloader, DataLoader):
-        return None
-    for sampler in (dataloader.sampler, getattr(dataloader.batch_sampler, 'sampler', None)):
-        if isinstance(sampler, DistributedSampler):
-            return sampler
-    return None
+    return _get_distributed_sampler(dataloader) if isinstance(dataloader, DataLoader) else None
 
 
 def pads_by_repeating(dataloader: Any) -> bool:

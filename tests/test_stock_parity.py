@@ -1,0 +1,117 @@
+"""Where Composer's own tests (v0.32.1, UnevenJoin in every Trainer) found UnevenJoin behaving otherwise than stock.
+
+Issue 29, each checked on real ranks through Composer's Trainer against an independent expectation:
+
+1. a ``DistributedSampler`` passed as ``batch_sampler=`` is reshuffled every epoch, as Composer reshuffles it
+   (expected orders: torch's own ``DistributedSampler`` in this process);
+2. a rank that shadows a whole step gives no warning a rank with data does not give (torchmetrics' "compute
+   before update"), and with warnings as errors (Composer's test configuration) the run completes on every
+   rank instead of one rank raising while the other waits in the metric's sync; both rank orders;
+3. a checkpoint saved by 2 ranks resumes on 3 at an epoch boundary (every sample of the new shards trained
+   once, the replicas equal), and mid-epoch every rank stops with an error naming both world sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from composer_join import ExactDistributedSampler
+from harness import RankError, launch
+
+SIZE, BATCH, EPOCHS = 24, 2, 2  # Composer's test_set_dataloaders_to_cur_epoch
+# rank 1 has 8 more samples (Composer's test_rank_dependent_dataloader_lengths), then the long rank first
+SHARDS = {'short_first': [16, 24], 'long_first': [24, 16]}
+RESIZE_SIZE, RESIZE_BATCH = 26, 4  # 2 ranks: 13, 13 samples (4 batches each); 3 ranks: 9, 9, 8 (3, 3, 2)
+
+
+@pytest.fixture(scope='module')
+def two_ranks(tmp_path_factory) -> dict:
+    folder = str(tmp_path_factory.mktemp('resize'))
+    calls = [
+        ('orders', 'scenarios_stock_parity:batch_sampler_orders', dict(size=SIZE, batch_size=BATCH, epochs=EPOCHS))
+    ]
+    for name, shards in SHARDS.items():
+        for error in (False, True):
+            calls.append(
+                (f'{name}-{error}', 'scenarios_stock_parity:shadow_warnings', dict(shards=shards, error=error))
+            )
+    calls.append(
+        (
+            'save',
+            'scenarios_stock_parity:save_for_resize',
+            dict(folder=folder, size=RESIZE_SIZE, batch_size=RESIZE_BATCH),
+        )
+    )
+    runs = launch(2, calls, timeout=300)
+    runs['folder'] = folder
+    return runs
+
+
+@pytest.fixture(scope='module')
+def resized(two_ranks) -> dict:
+    files = ok(two_ranks, 'save')[0]['checkpoints']
+    assert 'ep1-ba4-rank0.pt' in files and 'ep0-ba2-rank0.pt' in files, files
+    kwargs = dict(folder=two_ranks['folder'], size=RESIZE_SIZE, batch_size=RESIZE_BATCH)
+    calls = [
+        (key, 'scenarios_stock_parity:resume_resized', dict(checkpoint=file, **kwargs))
+        for key, file in (('boundary', 'ep1-ba4-rank0.pt'), ('mid_epoch', 'ep0-ba2-rank0.pt'))
+    ]
+    return launch(3, calls, timeout=300)
+
+
+def ok(runs: dict, name: str) -> list:
+    errors = [f'rank {r}: {e}' for r, e in enumerate(runs[name]) if isinstance(e, RankError)]
+    assert not errors, f'{name} failed: ' + '; '.join(errors)
+    return runs[name]
+
+
+def test_a_distributed_sampler_passed_as_batch_sampler_is_reshuffled_every_epoch(two_ranks):
+    dataset = list(range(SIZE))
+    for rank, res in enumerate(ok(two_ranks, 'orders')):
+        expected = {}
+        for epoch in range(EPOCHS):
+            sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, drop_last=True)
+            sampler.set_epoch(epoch)
+            expected[epoch] = list(sampler)
+        assert expected[0] != expected[1]  # the check below can tell a reshuffle from a repeat
+        assert res['ids'] == expected, f'rank {rank}'
+        assert res['sampler_epoch'] == EPOCHS - 1  # what Composer's test asserts
+
+
+@pytest.mark.parametrize('error', [False, True], ids=['recorded', 'as_errors'])
+@pytest.mark.parametrize('name', SHARDS)
+def test_a_shadowing_rank_gives_no_warning_and_warnings_as_errors_do_not_hang(two_ranks, name, error):
+    per_rank = ok(two_ranks, f'{name}-{error}')  # as_errors: a warning would have raised (and hung) a rank
+    shards = SHARDS[name]
+    for rank, res in enumerate(per_rank):
+        before_update = [w for w in res['warnings'] if 'before the ``update``' in w]
+        assert not before_update, f'rank {rank}: {before_update}'
+        # every rank's own DistributedSampler halves its own dataset: rank r's half, every sample trained
+        own = list(DistributedSampler(list(range(shards[rank])), num_replicas=2, rank=rank, shuffle=False))
+        assert res['trained'] == sorted(own), f'rank {rank}'
+        assert res['samples'] == sum(s // 2 for s in shards)
+
+
+def test_a_checkpoint_of_2_ranks_resumes_on_3_at_an_epoch_boundary(resized):
+    dataset = list(range(RESIZE_SIZE))
+    per_rank = ok(resized, 'boundary')
+    for rank, res in enumerate(per_rank):
+        assert res['error'] is None, f'rank {rank}: {res["error"]}'
+        sampler = ExactDistributedSampler(dataset, num_replicas=3, rank=rank, shuffle=True, seed=3)
+        sampler.set_epoch(1)
+        assert res['ids'] == {1: list(sampler)}, f'rank {rank}'  # its new shard of epoch 1, each sample once
+        assert (res['epoch'], res['batch']) == (2, 4 + 3)  # 4 steps on 2 ranks, then the longest 3-rank shard's 3
+        assert res['report_worlds'] == [2, 3]
+        assert torch.equal(res['params'], per_rank[0]['params']), f'rank {rank}: replicas differ'
+
+
+def test_a_checkpoint_of_2_ranks_stops_every_rank_of_3_mid_epoch_naming_both_world_sizes(resized):
+    for rank, res in enumerate(resized['mid_epoch']):
+        assert not isinstance(res, RankError), f'rank {rank}: {res}'  # not a crash (old: IndexError in the report)
+        assert res['error'] is not None, f'rank {rank} trained on'
+        kind, message = res['error']
+        assert kind == 'UnevenInputsError'
+        assert 'saved by 2 ranks' in message and 'this run has 3 ranks' in message, message
+        assert res['batch'] == 2  # stopped at FIT_START, before any step

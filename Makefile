@@ -2,19 +2,24 @@
 # only what it needs, once, and records it in a stamp file ($(VENV)/.installed-<what>):
 #   make demo    the package alone (Composer, torch): about 2 min the first time (torch 2.7.0 and its CUDA
 #                libraries come from PyPI: Composer pins torch <2.7.1)
-#   make test    every extra (tests, examples, benchmarks, llm-foundry, docs, lint): about 10 min the first time
+#   make test    every extra (tests, Composer's tests, examples, benchmarks, llm-foundry, docs, lint): about 10 min the first time
 VENV ?= .venv
 PYTHON ?= python3
 PIP := $(VENV)/bin/pip --disable-pip-version-check
-ALL_EXTRAS := test,examples,bench,llmfoundry,docs,lint,package
+ALL_EXTRAS := test,composer-tests,examples,bench,llmfoundry,docs,lint,package
 
-.PHONY: demo test lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
+.PHONY: demo test test-composer lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
 
 demo: $(VENV)/.installed-core
 	$(VENV)/bin/composer -n 2 examples/demo.py
 
 test: $(VENV)/.installed-all
 	$(VENV)/bin/pytest
+
+# Composer's own tests (../shared/peers/composer-v0.32.1, not copied here) with UnevenJoin injected into every
+# Trainer, in one process and in two, against stock Composer (docs/contributing.md); fails on any regression.
+test-composer: $(VENV)/.installed-test $(VENV)/.installed-composer-tests
+	$(VENV)/bin/python tests/composer_suite/run_composer_suite.py
 
 lint: $(VENV)/.installed-lint   # what CI runs: ruff (lint and format check) and mypy
 	$(VENV)/bin/ruff check .

@@ -14,7 +14,9 @@ Loaded by ``tests/composer_suite/run_composer_suite.py`` (``make test-composer``
 - Caps the distributed timeout (``COMPOSER_SUITE_DIST_TIMEOUT`` seconds, default 60) of every
   ``composer.utils.dist.initialize_dist`` call (Composer's test fixtures ask for 300 s), so that a rank left
   waiting in a collective fails well inside the per-test timeout instead of holding the run for five minutes.
-- Multi-rank runs: gives each rank its own junit XML file (``<path>.rank<N>.xml``).
+- Multi-rank runs: gives each rank its own junit XML file (``<path>.rank<N>.xml``), and stops the session after
+  a test that broke the process group (a gloo timeout or a lost peer), so that the tests after it do not each wait
+  for a timeout; they then count as not passed.
 - ``COMPOSER_SUITE_ZERO_EXIT=1``: exits 0 when tests failed (the runner judges the junit XML), so that Composer's
   launcher does not take rank 0's ordinary failure exit for a crash and kill rank 1 before it writes its results.
 - ``COMPOSER_SUITE_STATS=<path>``: writes ``{"trainers": N, "injected": M}`` of this process there at the end.
@@ -145,6 +147,23 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_line(
         f'composer_suite_plugin ({mode}): {_COUNTS["trainers"]} Trainers built, {_COUNTS["injected"]} injected'
     )
+
+
+_BROKEN_GROUP = ('DistBackendError', 'gloo', 'Timed out', 'Connection reset', 'Connection closed')
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """On several ranks, stops the session after a test whose failure broke the process group.
+
+    Later tests would only wait for the collectives of a rank that moved on, each until its timeout.
+    """
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.excinfo is not None and int(os.environ.get('WORLD_SIZE', '1')) > 1:
+        failure = f'{call.excinfo.typename}: {call.excinfo.value}'
+        if any(sign in failure for sign in _BROKEN_GROUP):
+            item.session.shouldstop = f'{item.nodeid} broke the process group ({failure[:200]})'
 
 
 @pytest.hookimpl(trylast=True)

@@ -253,7 +253,8 @@ def report(mode: str, comparison: Comparison, stock_source: str) -> None:
     for nodeid in comparison.expected():
         print(f'  expected: {nodeid}: {suite_config.expected_reason(nodeid)}')
     for nodeid in comparison.regressions():
-        print(f'  REGRESSION: {nodeid}: passes on stock, {comparison.injected.get(nodeid, "missing")} with UnevenJoin')
+        outcome = comparison.injected.get(nodeid, 'not run (its session stopped or crashed before it)')
+        print(f'  REGRESSION: {nodeid}: passes on stock, {outcome} with UnevenJoin')
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

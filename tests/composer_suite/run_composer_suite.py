@@ -3,9 +3,9 @@
 Runs the files of ``suite_config`` from the peers folder (``../shared/peers/composer-v0.32.1``, read-only; its
 ``pyproject.toml`` is the pytest configuration) in one process and in two (``composer -n 2 -m pytest``, as Composer's
 CI does), with ``composer_suite_plugin`` loaded: once with ``COMPOSER_SUITE_INJECT=1``, and once on stock Composer
-unless the committed baseline (``stock_baseline.json``) was made from the same files, deselections and Composer
-version. Each run writes junit XML into a temporary folder; a test that passes on stock and does not pass injected
-is a regression unless ``suite_config.EXPECTED`` names it. Prints, per launch mode and in all: stock passed,
+except for the modes of ``suite_config.BASELINE_MODES`` (two processes), whose stock outcomes come from the
+committed ``stock_baseline.json`` while it was made from the same files, deselections and Composer version. Each
+run writes junit XML into a temporary folder; a test that passes on stock and does not pass injected is a regression unless ``suite_config.EXPECTED`` names it. Prints, per launch mode and in all: stock passed,
 injected passed, expected differences, regressions; exits 1 on any regression or on a run that gave no results.
 
 Hard limits: ``--timeout`` per test (pytest-timeout), the plugin's cap on the gloo timeout, and a subprocess timeout
@@ -263,7 +263,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         '--stock',
         choices=('auto', 'run', 'baseline'),
         default='auto',
-        help='auto: the committed baseline if it is current, else run stock Composer; run: always run it',
+        help='auto: for BASELINE_MODES the committed baseline if current, else run stock; run: always run stock',
     )
     parser.add_argument('--write-baseline', action='store_true', help='save the stock outcomes as the baseline')
     parser.add_argument('--timeout', type=int, default=120, help='seconds per test (pytest-timeout)')
@@ -287,8 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f'test-composer: no Composer tests at {PEERS} (set COMPOSER_SUITE_PEERS)', file=sys.stderr)
         return 2
     modes = args.modes.split(',')
-    baselines = {mode: None if args.stock == 'run' else load_baseline(mode) for mode in modes}
-    stale = [mode for mode in modes if baselines[mode] is None]
+    use_baseline = {mode: args.stock != 'run' and mode in suite_config.BASELINE_MODES for mode in modes}
+    baselines = {mode: load_baseline(mode) if use_baseline[mode] else None for mode in modes}
+    stale = [mode for mode in modes if use_baseline[mode] and baselines[mode] is None]
     if stale and args.stock == 'baseline':
         print(f'test-composer: {BASELINE.name} is missing or stale for {stale}; run with --stock run --write-baseline')
         return 2

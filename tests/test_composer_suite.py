@@ -61,11 +61,11 @@ def test_a_test_passes_only_if_it_passes_on_every_rank():
 
 
 def test_regressions_are_stock_passes_that_do_not_pass_injected_unless_expected():
-    autoload = 'tests/algorithms/test_required_on_load.py::test_autoload[Alibi]'
-    assert suite_config.expected_reason(autoload)
-    stock = {autoload: 'passed', 'ok': 'passed', 'lost': 'passed', 'broke': 'passed', 'bad': 'failed'}
-    injected = {autoload: 'failed', 'ok': 'passed', 'broke': 'failed', 'bad': 'failed'}
+    truncation = 'tests/trainer/test_trainer.py::TestTrainerInitOrFit::test_rank_dependent_dataloader_lengths'
+    assert suite_config.expected_reason(truncation)
+    stock = {truncation: 'passed', 'ok': 'passed', 'lost': 'passed', 'broke': 'passed', 'bad': 'failed'}
+    injected = {truncation: 'failed', 'ok': 'passed', 'broke': 'failed', 'bad': 'failed'}
     comparison = runner.Comparison(stock, injected)
-    assert comparison.expected() == [autoload]
+    assert comparison.expected() == [truncation]
     assert comparison.regressions() == ['broke', 'lost']  # 'lost': missing from the injected run (a crash)
     assert (comparison.passed(stock), comparison.passed(injected)) == (4, 1)

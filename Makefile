@@ -2,15 +2,15 @@
 # only what it needs, once, and records it in a stamp file ($(VENV)/.installed-<what>):
 #   make demo    the package alone (Composer, torch): about 2 min the first time (torch 2.7.0 and its CUDA
 #                libraries come from PyPI: Composer pins torch <2.7.1)
-#   make test    every extra (tests, examples, benchmarks, llm-foundry, docs, lint): about 10 min the first time
+#   make test    every extra (tests, Composer's tests, examples, benchmarks, llm-foundry, docs, lint): about 10 min the first time
 #   make test-torch26  a second environment (.venv-torch26) with torch 2.6.0 and the test extra: ~6 GB from PyPI
 #                (torch 2.6.0's CUDA build, the only Linux one there), then a smoke subset; docs/compatibility.md
 VENV ?= .venv
 PYTHON ?= python3
 PIP := $(VENV)/bin/pip --disable-pip-version-check
-ALL_EXTRAS := test,examples,bench,llmfoundry,docs,lint,package
+ALL_EXTRAS := test,composer-tests,examples,bench,llmfoundry,docs,lint,package
 
-.PHONY: demo test test-torch26 lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
+.PHONY: demo test test-composer test-torch26 lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
 
 demo: $(VENV)/.installed-core
 	$(VENV)/bin/composer -n 2 examples/demo.py
@@ -25,6 +25,11 @@ TORCH26_TESTS ?= tests/test_sync_strategies.py tests/test_resumption.py tests/te
 
 test-torch26: $(VENV_TORCH26)/.installed-test
 	$(VENV_TORCH26)/bin/pytest -p no:cacheprovider $(TORCH26_TESTS)
+
+# Composer's own tests (../shared/peers/composer-v0.32.1, not copied here) with UnevenJoin injected into every
+# Trainer, in one process and in two, against stock Composer (docs/contributing.md); fails on any regression.
+test-composer: $(VENV)/.installed-test $(VENV)/.installed-composer-tests
+	$(VENV)/bin/python tests/composer_suite/run_composer_suite.py
 
 lint: $(VENV)/.installed-lint   # what CI runs: ruff (lint and format check) and mypy
 	$(VENV)/bin/ruff check .

@@ -10,6 +10,7 @@ an evaluation after each, predicts, and (``resume_at``) resumes from a mid-epoch
 from __future__ import annotations
 
 import glob
+import multiprocessing
 import os
 import pickle
 from typing import Any, Optional
@@ -31,7 +32,7 @@ from pipeline_data import (
     collate_ids,
     generate_ids,
 )
-from rank_scenarios import ToyModel, quiet_trainer
+from rank_scenarios import ToyModel, eval_logged, quiet_trainer
 from scenarios_resume import UnevenShuffled
 
 
@@ -90,13 +91,21 @@ def make_dataset(kind: str, sizes: list[int], first: int, cfg: dict, folder: str
     raise ValueError(kind)
 
 
+def _context(start: str) -> Any:
+    """The workers' start method; forkserver's server imports this data module and ``datasets`` once, for all of them."""
+    context = multiprocessing.get_context(start)
+    if start == 'forkserver':
+        context.set_forkserver_preload(['pipeline_data', 'datasets'])
+    return context
+
+
 def make_loader(kind: str, sizes: list[int], first: int, cfg: dict, folder: str) -> DataLoader:
     dataset, sampler = make_dataset(kind, sizes, first, cfg, folder)
     workers = cfg.get('workers', 0)
     extra: dict[str, Any] = {}
     if workers:
         extra = dict(persistent_workers=cfg.get('persistent', False), prefetch_factor=cfg.get('prefetch', 2))
-        extra['multiprocessing_context'] = cfg.get('start', 'fork')
+        extra['multiprocessing_context'] = _context(cfg.get('start', 'fork'))
     return DataLoader(
         dataset, batch_size=cfg['batch_size'], sampler=sampler, num_workers=workers, collate_fn=collate_ids, **extra
     )
@@ -181,11 +190,7 @@ def fit(cfg: dict, folder: str, **kwargs) -> dict[str, Any]:
         'params': {k: v.detach().clone() for k, v in model.module.named_parameters()},
         'steps': trail.steps,
         'eval_params': trail.eval_params,
-        'eval': {
-            k.split('/')[-1]: [float(v) for _, v in vals]
-            for k, vals in memory.data.items()
-            if k.startswith('metrics/eval/')
-        },
+        'eval': eval_logged(memory),
         'predicted': trail.predicted,
         'predicted_rows': sum(len(o) for o in outputs),
         'user_objects': (before, user_objects(train)),

@@ -125,17 +125,34 @@ REFUSED: dict[str, tuple[dict, str]] = {  # case -> (cfg, what the error must ad
 }
 
 
-@pytest.fixture(scope='module')
-def runs(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp('pipelines'))
+PICKLING = ('hf_generator_w2_forkserver_shadow', 'hf_map_w2_forkserver_persistent_rebalance')  # their own launch
+
+
+def _launch(folder: str, cases: dict[str, dict], timeout: float) -> dict:
     calls = [
-        (name, 'scenarios_pipelines:run_case', dict(name=name, cfg=cfg, folder=folder)) for name, cfg in CASES.items()
+        (name, 'scenarios_pipelines:run_case', dict(name=name, cfg=cfg, folder=folder)) for name, cfg in cases.items()
     ]
-    calls += [
-        (name, 'scenarios_pipelines:run_case', dict(name=name, cfg=cfg, folder=folder))
-        for name, (cfg, _) in REFUSED.items()
-    ]
-    return launch(WORLD, calls, timeout=600)
+    return launch(WORLD, calls, timeout=timeout)
+
+
+@pytest.fixture(scope='module')
+def runs_fork(tmp_path_factory):
+    """Every case but those whose workers pickle the dataset, and the refused ones: one 2-rank launch."""
+    cases = {name: cfg for name, cfg in CASES.items() if name not in PICKLING}
+    cases.update({name: cfg for name, (cfg, _) in REFUSED.items()})
+    return _launch(str(tmp_path_factory.mktemp('pipelines')), cases, timeout=540)
+
+
+@pytest.fixture(scope='module')
+def runs_pickling(tmp_path_factory):
+    """The cases whose DataLoader workers start by forkserver (they unpickle the dataset): one 2-rank launch."""
+    return _launch(str(tmp_path_factory.mktemp('pickling')), {name: CASES[name] for name in PICKLING}, timeout=540)
+
+
+@pytest.fixture
+def runs(request):
+    name = request.node.callspec.params['name']
+    return request.getfixturevalue('runs_pickling' if name in PICKLING else 'runs_fork')
 
 
 def replay(steps_per_rank: list[dict[int, tuple[int, list[int]]]]) -> dict[str, torch.Tensor]:

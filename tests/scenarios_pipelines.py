@@ -72,11 +72,14 @@ def make_dataset(kind: str, sizes: list[int], first: int, cfg: dict, folder: str
         from datasets.distributed import split_dataset_by_node
 
         files = _split(sizes, first)  # one uneven 'file' per entry (its shards), split over the ranks
+        if kind == 'hf_map':  # Composer wants a DistributedSampler for map-style data
+            table = datasets.Dataset.from_dict({'id': [i for f in files for i in f]})
+            return table, ExactDistributedSampler(table, shuffle=True, seed=3)
         if kind == 'hf_generator':
             full = datasets.IterableDataset.from_generator(generate_ids, gen_kwargs={'files': files})
         else:
             table = datasets.Dataset.from_dict({'id': [i for f in files for i in f]})
-            full = table if kind == 'hf_map' else table.to_iterable_dataset(num_shards=len(files))
+            full = table.to_iterable_dataset(num_shards=len(files))
         return split_dataset_by_node(full, rank=rank, world_size=world), None
     if kind == 'streaming':
         from streaming import MDSWriter, StreamingDataset
@@ -138,19 +141,29 @@ _TORCH_OWN = {'_iterator', '_IterableDataset_len_called'}
 
 
 def user_objects(loader: DataLoader) -> dict[str, Any]:
-    """What UnevenJoin must leave as it is: the attribute names of the dataloader, its dataset and sampler,
-    whether each still pickles, and the dataset's pickled bytes (a dataset of these tests' own)."""
+    """What UnevenJoin must leave as it is, of the dataloader, its dataset and sampler: no method replaced by an
+    attribute; the attribute names (of torch's and these tests' classes: others add some as they are read); the
+    pickled bytes of a dataset of these tests' own without a state of its own."""
     out: dict[str, Any] = {}
     for name, obj in (('dataloader', loader), ('dataset', loader.dataset), ('sampler', loader.sampler)):
-        out[name] = sorted(set(vars(obj)) - _TORCH_OWN)
-        if name != 'dataloader':
-            try:
-                data = pickle.dumps(obj)
-                out[f'{name}_pickles'] = True
-            except Exception as e:
-                data, out[f'{name}_pickles'] = b'', f'{type(e).__name__}: {e}'
-            if name == 'dataset' and type(obj).__module__ == 'pipeline_data':
-                out['dataset_bytes'] = data
+        # an instance attribute over a method of its class: a replaced method
+        out[f'{name}_replaced'] = sorted(k for k in vars(obj) if callable(getattr(type(obj), k, None)))
+        if type(obj).__module__ == 'pipeline_data' or type(obj).__module__.startswith('torch.'):
+            out[name] = sorted(set(vars(obj)) - _TORCH_OWN)  # others (streaming) add attributes as they are read
+        if name == 'dataset' and type(obj).__module__ == 'pipeline_data' and not hasattr(obj, 'state_dict'):
+            out['dataset_bytes'] = pickle.dumps(obj)  # a dataset without state of its own: the same bytes
+    return out
+
+
+def pickles(loader: DataLoader) -> dict[str, Any]:
+    """Whether the dataset and the sampler pickle (what spawn and forkserver workers need)."""
+    out: dict[str, Any] = {}
+    for name, obj in (('dataset', loader.dataset), ('sampler', loader.sampler)):
+        try:
+            pickle.dumps(obj)
+            out[name] = True
+        except Exception as e:
+            out[name] = f'{type(e).__name__}: {e}'
     return out
 
 
@@ -159,7 +172,7 @@ def fit(cfg: dict, folder: str, **kwargs) -> dict[str, Any]:
     model = ToyModel('mlp')
     train = make_loader(cfg['data'], cfg['sizes'], 0, cfg, folder)
     evaluation = make_loader(cfg['data'], cfg['eval_sizes'], EVAL_IDS, cfg, folder)
-    before = user_objects(train)
+    before, pickled = user_objects(train), pickles(train)
     join = [UnevenJoin(mode=cfg.get('mode', 'shadow'))] if cfg.get('join', True) else []
     trail, memory = Trail(), InMemoryLogger()
     trainer = quiet_trainer(
@@ -194,6 +207,7 @@ def fit(cfg: dict, folder: str, **kwargs) -> dict[str, Any]:
         'predicted': trail.predicted,
         'predicted_rows': sum(len(o) for o in outputs),
         'user_objects': (before, user_objects(train)),
+        'pickles': pickled,
     }
 
 

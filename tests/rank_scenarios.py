@@ -284,6 +284,15 @@ def make_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=cfg.get('lr', 0.1), momentum=0.9)
 
 
+def eval_logged(memory: InMemoryLogger) -> dict[str, list[float]]:
+    """Per eval metric (by its short name), the values logged at each evaluation."""
+    return {
+        k.split('/')[-1]: [float(v) for _, v in vals]
+        for k, vals in memory.data.items()
+        if k.startswith('metrics/eval/')
+    }
+
+
 def quiet_trainer(**kwargs) -> Trainer:
     """A ``Trainer`` as every scenario builds it: on the test device (``tests/devices.py``), seed 0, no console output."""
     return Trainer(device=devices.trainer_device(), progress_bar=False, log_to_console=False, seed=0, **kwargs)
@@ -351,11 +360,7 @@ def train(cfg: dict) -> dict[str, Any]:
         'log_lines': lines.lines,
         'collectives': counter.steps,
         'eval_params': recorder.eval_params,
-        'eval': {
-            k.split('/')[-1]: [float(v) for _, v in vals]
-            for k, vals in memory.data.items()
-            if k.startswith('metrics/eval/')
-        },
+        'eval': eval_logged(memory),
         'sample_ids': recorder.sample_ids,
     }
 

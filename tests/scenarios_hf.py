@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchmetrics import MeanMetric, Metric
 
 from composer_join import UnevenJoin
-from rank_scenarios import Recorder, ShardWithLen, quiet_trainer
+from rank_scenarios import Recorder, ShardWithLen, eval_logged, quiet_trainer
 from reference_hf import collate, eval_shard, make_gpt2, optimizer_for, train_shard
 from toy import make_module, shard
 
@@ -94,16 +94,11 @@ def hf_train(cfg: dict) -> dict[str, Any]:
     finally:
         trainer.close()
     ts = trainer.state.timestamp
-    eval_logged = {
-        k.split('/')[-1]: [float(v) for _, v in vals]
-        for k, vals in memory.data.items()
-        if k.startswith('metrics/eval/')
-    }
     return {
         'params': {k: v.detach().clone() for k, v in model.model.named_parameters()},
         'step_params': recorder.params,
         'eval_params': recorder.eval_params,
-        'eval': eval_logged,
+        'eval': eval_logged(memory),
         'samples': int(ts.sample),
         'batches': int(ts.batch),
     }

@@ -155,28 +155,31 @@ def test_a_dataset_that_resumes_itself_is_given_its_own_sample_count(runs):
     for rank, res in enumerate(ok(runs, 'self_resuming')):
         n = cfg['shards'][rank]
         own = [min(4 * s, n) for s in range(1, steps + 1)]
-        # every save asks twice, with the same count: UnevenJoin gathers every rank's state, Composer saves rank 0's
+        # every save asks once, for this rank's own count: UnevenJoin gathers every rank's state, and Composer's
+        # rank-0 copy (with the global count) is not saved
         calls = res['full']['dataset_counts']
-        assert calls[0::2] == calls[1::2]
         # one checkpoint per batch in each epoch, plus an epoch-end save at the final batch (count 0)
-        assert calls[0::2][:steps] == own
-        assert calls[0::2][steps : 2 * steps] == own
+        assert calls[:steps] == own
+        assert calls[steps : 2 * steps] == own
 
 
 def test_a_streaming_dataset_keeps_the_global_count(monkeypatch):
-    # StreamingDataset splits one global sample space across ranks itself: Composer's count is the right one.
+    # StreamingDataset splits one global sample space across ranks itself: Composer's count is the right one,
+    # so it is left to Composer, and a per-rank shard with the same methods is resumed per rank.
     # (A stand-in `streaming` module, so the test does not need mosaicml-streaming installed.)
     import types
 
-    from composer_join.data.resume import own_sample_counts
+    from composer_join.data.resume import RankDatasets
 
     class StreamingDataset:
         def state_dict(self, num_samples, from_beginning):
             return {'sample_in_epoch': num_samples}
 
+        def load_state_dict(self, state):
+            pass
+
     monkeypatch.setitem(sys.modules, 'streaming', types.SimpleNamespace(StreamingDataset=StreamingDataset))
-    streamed, shard = StreamingDataset(), type('Shard', (), {'state_dict': StreamingDataset.state_dict})()
-    own_sample_counts(streamed, lambda: 13)
-    own_sample_counts(shard, lambda: 13)
-    assert streamed.state_dict(40, True) == {'sample_in_epoch': 40}
-    assert shard.state_dict(40, True) == {'sample_in_epoch': 13}
+    methods = {'state_dict': StreamingDataset.state_dict, 'load_state_dict': StreamingDataset.load_state_dict}
+    streamed, shard = StreamingDataset(), type('Shard', (), methods)()
+    assert not RankDatasets.applies(streamed)
+    assert RankDatasets.applies(shard)

@@ -11,21 +11,32 @@ must know which (``train_position``):
   ``load_state_dict``, as ``streaming.StreamingDataset`` does): Composer skips spinning and the
   dataloader's first batch is batch ``batch_in_epoch`` of the epoch.
 
-``num_samples`` with uneven shards: Composer passes the *global* ``timestamp.sample_in_epoch``
-(real samples summed over ranks). A rank that reads its own shard needs its *own* count, so
-:func:`own_sample_counts` makes the dataset's ``state_dict`` receive the number of samples of this
-rank's shard used in the current epoch (trained by it, or in ``mode='rebalance'`` given to another
-rank; 0 at an epoch boundary, as Composer passes). The exception is ``streaming.StreamingDataset``,
-which splits one global sample space across ranks itself and expects the global count: it is
-left as it is.
+A train dataset that resumes itself *per rank* (it has ``state_dict`` and ``load_state_dict``; not a
+``streaming.StreamingDataset``, which splits one global sample space across ranks itself and is left to
+Composer) is resumed by :class:`RankDatasets`, without touching the dataset object (nothing is set on it,
+so it still pickles for spawn-started workers and behaves as before). Two signatures are understood:
 
-Composer checkpoints ``dataset_state`` from rank 0 only, and loads it into every rank's dataset.
-So :class:`RankDatasets` puts every rank's own dataset state (and its sample counts) into
-UnevenJoin's own ``state_dict``: one ``all_gather_object`` each time Composer saves a checkpoint
-(``State.state_dict()``, which Composer calls on every rank), nothing otherwise. On resuming, each
-rank loads its own entry into its dataset at ``FIT_START`` (after Composer loaded rank 0's), before
-the first batch is read. Sharded checkpoints carry the same entries (UnevenJoin's state is the
-same on every rank).
+* Composer's ``state_dict(num_samples, from_beginning)``: the dataset is handed the number of samples of
+  *this rank's* shard used in the current epoch (trained by it, or in ``mode='rebalance'`` given to another
+  rank; 0 at an epoch boundary), not Composer's global ``timestamp.sample_in_epoch``;
+* Hugging Face ``datasets.IterableDataset``'s ``state_dict()`` (no argument: the position after the last
+  example it yielded). UnevenJoin reads one batch ahead (and, rebalancing, a donor reads the batches it
+  gives), so the dataset's own position is past the trained samples: :meth:`RankDatasets.open` keeps the
+  dataset's ``state_dict()`` after every batch read, and a checkpoint saves the one at the trained
+  position. Such a dataset reports its position only when it is read in the main process: with
+  DataLoader workers (``num_workers > 0``) a mid-epoch checkpoint stops every rank with an error.
+  (Hugging Face's ``load_state_dict`` also applies to every later iteration of the same epoch number, so
+  after the resumed epoch each epoch starts from the dataset's initial state, reloaded.)
+
+Composer would save rank 0's dataset state only (calling ``state_dict(num_samples, True)``, which the
+Hugging Face signature refuses with ``TypeError``), and load it into every rank's dataset. So for such a
+dataset UnevenJoin takes ``dataset_state`` out of what Composer saves, and puts every rank's own dataset
+state (and its sample counts) into its own ``state_dict``: one ``all_gather_object`` each time Composer
+saves a checkpoint (``State.state_dict()``, which Composer calls on every rank), nothing otherwise. On
+resuming, each rank loads its own entry into its dataset at ``FIT_START``, before the first batch is read,
+and Composer then does not spin the dataloader. Sharded checkpoints carry the same entries (UnevenJoin's
+state is the same on every rank). A checkpoint written by 0.1.0 (with Composer's ``dataset_state``)
+resumes the same way.
 
 What :class:`~composer_join.UnevenJoin` saves (:func:`snapshot`) and loads (:func:`restore`): the
 finished epochs' reports, the current epoch's partial report (so the report after a resume
@@ -49,9 +60,9 @@ Example::
 from __future__ import annotations
 
 import copy
-import functools
+import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
 from composer.core import State
@@ -64,11 +75,11 @@ from composer_join.rebalance.rebalance import Rebalancer
 __all__ = [
     'RankDatasets',
     'check_world_size',
-    'own_sample_counts',
     'restore',
     'resume_counts',
     'saved_world_size',
     'snapshot',
+    'takes_sample_count',
     'train_position',
 ]
 
@@ -85,45 +96,20 @@ def train_position(state: State) -> tuple[int, int, int]:
     return epoch, 0, step
 
 
-def own_sample_counts(dataset: Any, count: Callable[[], int]) -> None:
-    """Make Composer's ``dataset.state_dict(num_samples, from_beginning)`` receive this rank's own count.
-
-    ``count()`` is the number of samples this rank has trained in the current epoch. Composer's
-    ``num_samples`` of 0 (an epoch boundary) is passed on unchanged. Idempotent; does nothing for
-    a dataset without ``state_dict`` or a ``StreamingDataset`` (it expects the global count).
-
-    Example:
-        >>> class Shard:
-        ...     def state_dict(self, num_samples, from_beginning):
-        ...         return {'sample_in_epoch': num_samples}
-        >>> shard = Shard()
-        >>> own_sample_counts(shard, lambda: 13)
-        >>> shard.state_dict(40, True), shard.state_dict(0, True)
-        ({'sample_in_epoch': 13}, {'sample_in_epoch': 0})
-    """
-    original = getattr(dataset, 'state_dict', None)
-    if not callable(original) or getattr(original, 'uneven_join_counts', False) or _splits_globally(dataset):
-        return
-
-    @functools.wraps(original)
-    def state_dict(num_samples: int, from_beginning: bool = True) -> Any:
-        return original(count() if num_samples else 0, from_beginning)
-
-    state_dict.uneven_join_counts = True  # type: ignore[attr-defined]
-    dataset.state_dict = state_dict
-
-
 class RankDatasets:
-    """Every rank's own dataset state, for a train dataset that resumes itself (``state_dict``/``load_state_dict``).
+    """Every rank's own dataset state, for a train dataset that resumes itself per rank (:meth:`applies`).
 
     Args:
-        state: the trainer's state (its ``timestamp.sample_in_epoch`` is what Composer passes).
-        dataset: this rank's train dataset, already wrapped by :func:`own_sample_counts`.
+        state: the trainer's state (its ``timestamp.sample_in_epoch`` tells an epoch boundary, 0, from the middle).
+        dataset: this rank's train dataset, left untouched.
         trained: ``() -> samples this rank trained in the current epoch`` (its report count).
         used: ``() -> samples of this rank's shard used in the current epoch`` (what the dataset gets).
         sent: ``() -> bytes this rank sent in the current epoch`` (``mode='rebalance'``).
+        count: ``batch -> its samples`` (-1 if uncountable), as Composer counts them.
+        workers: the train DataLoader's ``num_workers``.
 
     :meth:`gather` is collective: call it on every rank, as Composer's ``State.state_dict()`` is.
+    The innermost reader of the user's dataloader opens it with :meth:`open`.
     """
 
     def __init__(
@@ -133,8 +119,19 @@ class RankDatasets:
         trained: Callable[[], int],
         used: Callable[[], int],
         sent: Callable[[], int] = lambda: 0,
+        count: Callable[[Any], int] = lambda batch: -1,
+        workers: int = 0,
     ):
         self.state, self.dataset, self.trained, self.used, self.sent = state, dataset, trained, used, sent
+        self.count, self.workers = count, workers
+        self.positional = takes_sample_count(dataset.state_dict)
+        # Hugging Face style: the initial position, and the positions after each batch read (samples -> state)
+        self._initial = None if self.positional else dataset.state_dict()
+        self._trail: dict[int, Any] = {}
+        self._loaded: Optional[Any] = None  # the state just loaded, until the iteration it applies to opens
+        self._resumed = False  # a state was loaded: later epochs must start from the initial state again
+        if 'dataset_state' in state.serialized_attributes:  # Composer's rank-0 copy: UnevenJoin saves each rank's
+            state.serialized_attributes.remove('dataset_state')
 
     @staticmethod
     def applies(dataset: Any) -> bool:
@@ -145,19 +142,81 @@ class RankDatasets:
             and not _splits_globally(dataset)
         )
 
+    def open(self, dataloader: Iterable, offset: int) -> Iterator[Any]:
+        """``iter(dataloader)`` for an iteration that starts after ``offset`` own samples of the epoch.
+
+        Hugging Face style: yields the same batches, keeping the dataset's position after each one.
+        """
+        if self.positional:
+            return iter(dataloader)
+        if self._loaded is None and self._resumed:  # an epoch after the resumed one: from the start again
+            self.dataset.load_state_dict(copy.deepcopy(self._initial))
+        start = self._loaded if self._loaded is not None and offset else self._initial
+        self._loaded, self._trail = None, {offset: start}
+        return self._follow(iter(dataloader), offset)
+
+    def _follow(self, batches: Iterator[Any], samples: int) -> Iterator[Any]:
+        for batch in batches:
+            n = self.count(batch)
+            samples = -1 if min(n, samples) < 0 else samples + n
+            used = self.used()
+            self._trail = {k: v for k, v in self._trail.items() if k >= used}
+            self._trail[samples] = self.dataset.state_dict()
+            yield batch
+
+    def _own_state(self, num_samples: int) -> Any:
+        """This rank's dataset state for a checkpoint (``num_samples``: Composer's; 0 at an epoch boundary)."""
+        used = self.used() if num_samples else 0
+        if self.positional:
+            return self.dataset.state_dict(used, True)
+        if not num_samples:
+            return copy.deepcopy(self._initial)
+        if self.workers > 0:
+            raise UnevenInputsError(
+                f'the train dataset ({type(self.dataset).__name__}) is read by {self.workers} DataLoader workers, '
+                "so its state_dict() does not follow what was read (it is kept in each worker's copy): a mid-epoch "
+                'checkpoint cannot resume it exactly. Read it with num_workers=0, save checkpoints at epoch ends only, '
+                'or use a map-style dataset (Composer resumes those by spinning the sampler)'
+            )
+        if used not in self._trail:
+            raise UnevenInputsError(
+                f'the position of the train dataset after {used} samples of this epoch is not known (its batches '
+                'could not be counted); a mid-epoch checkpoint cannot resume it exactly'
+            )
+        return self._trail[used]
+
     def gather(self) -> list[dict[str, Any]]:
-        """Per rank: ``{'trained', 'used', 'sent', 'dataset'}`` (its dataset's own ``state_dict``). One ``all_gather_object``."""
+        """Per rank: ``{'trained', 'used', 'sent', 'dataset'}`` (its dataset's own state). One ``all_gather_object``.
+
+        If some rank cannot give its state, every rank raises :class:`UnevenInputsError` (that rank with why).
+        """
         num_samples = int(self.state.timestamp.sample_in_epoch)
-        mine = {
-            'trained': self.trained() if num_samples else 0,
-            'used': self.used() if num_samples else 0,
-            'sent': self.sent() if num_samples else 0,
-            'dataset': self.dataset.state_dict(num_samples, True),
-        }
-        return dist.all_gather_object(mine)
+        try:
+            mine: dict[str, Any] = {
+                'trained': self.trained() if num_samples else 0,
+                'used': self.used() if num_samples else 0,
+                'sent': self.sent() if num_samples else 0,
+                'dataset': self._own_state(num_samples),
+            }
+            error: Optional[UnevenInputsError] = None
+        except UnevenInputsError as e:
+            mine, error = {'error': str(e)}, e
+        gathered = dist.all_gather_object(mine)
+        failed = [r for r, entry in enumerate(gathered) if 'error' in entry]
+        if error is not None:
+            raise error
+        if failed:
+            raise UnevenInputsError(
+                f'rank(s) {failed} cannot save the position of their train dataset in this checkpoint: '
+                f'{gathered[failed[0]]["error"]}'
+            )
+        return gathered
 
     def load(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
-        """Load this rank's entry of ``saved`` into its dataset; return the entry. Raises the same on every rank."""
+        """Load this rank's entry of ``saved`` into its dataset; return the entry. Raises the same on every rank.
+
+        Composer then does not spin the dataloader (``state.dataset_resumption['train']``).
+        """
         world, rank = dist.get_world_size(), dist.get_global_rank()
         if len(saved) != world:
             raise UnevenInputsError(
@@ -165,8 +224,27 @@ class RankDatasets:
                 f'dataset resumes itself from its own state, so resume with the same world size (or without '
                 f"UnevenJoin's per-rank states: load_ignore_keys=['state/algorithms'] and the dataset restarts the epoch)",
             )
-        self.dataset.load_state_dict(saved[rank]['dataset'])
+        own = saved[rank]['dataset']
+        self.dataset.load_state_dict(own)
+        self.state.dataset_resumption['train'] = True
+        self._loaded, self._resumed = own, True
         return saved[rank]
+
+
+def takes_sample_count(state_dict: Callable[..., Any]) -> bool:
+    """Whether ``state_dict`` takes Composer's ``(num_samples, from_beginning)`` (else: no argument, as Hugging Face's).
+
+    Example:
+        >>> takes_sample_count(lambda num_samples, from_beginning: {}), takes_sample_count(lambda: {})
+        (True, False)
+    """
+    try:
+        inspect.signature(state_dict).bind(0, True)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (a builtin): assume Composer's protocol
+        return True
+    return True
 
 
 def resume_counts(loader: Any, own: dict[str, Any], saved: list[dict[str, Any]], mid_epoch: bool) -> None:

@@ -65,7 +65,6 @@ from composer_join.core.settings import row as settings_row
 from composer_join.data.resume import (
     RankDatasets,
     check_world_size,
-    own_sample_counts,
     restore,
     resume_counts,
     saved_world_size,
@@ -79,6 +78,7 @@ from composer_join.interop.predict import PREDICT_EVENTS, empty_outputs
 from composer_join.interop.refusals import refuse_incompatible
 from composer_join.interop.replan import replan
 from composer_join.join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, lift_cap, pads_by_repeating
+from composer_join.rebalance.readahead import ReadAheadRebalancer
 from composer_join.rebalance.rebalance import Rebalancer
 from composer_join.shadow.buffers import checkpoint_due
 from composer_join.shadow.gradients import scale_grad
@@ -394,18 +394,11 @@ class UnevenJoin(Algorithm):
         loader.position = lambda: train_position(state)
         if self._resumed_report is not None:
             loader.report, self._resumed_report = self._resumed_report, None
-        # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader.
+        # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader (left untouched).
         dataset = state._dataset_of(state.train_dataloader)
-        own_sample_counts(dataset, loader.own_shard_samples)
         if RankDatasets.applies(dataset):
-            self._rank_datasets = RankDatasets(
-                state,
-                dataset,
-                loader.own_samples,
-                loader.own_shard_samples,
-                lambda: loader.dataloader.sent_bytes(loader.steps) if isinstance(loader.dataloader, Rebalancer) else 0,
-            )
-            if self._resumed_ranks is not None and state.dataset_resumption.get('train'):
+            self._rank_datasets = self._per_rank_datasets(state, dataset, loader)
+            if self._resumed_ranks is not None:
                 resume_counts(
                     loader,
                     self._rank_datasets.load(self._resumed_ranks),
@@ -422,6 +415,24 @@ class UnevenJoin(Algorithm):
             )
         refuse_incompatible(state.algorithms, TEMPLATE_SAMPLES)
         agree_on_closures(state.optimizers, lambda: self.is_shadow_step)
+
+    def _per_rank_datasets(self, state: State, dataset: Any, loader: JoinLoader) -> RankDatasets:
+        """The per-rank resumption of a train dataset that resumes itself; the innermost reader opens it with it."""
+        ranks = self._rank_datasets
+        if ranks is None or ranks.dataset is not dataset:  # one per dataset: its initial position is read once
+            ranks = RankDatasets(
+                state,
+                dataset,
+                loader.own_samples,
+                loader.own_shard_samples,
+                lambda: loader.dataloader.sent_bytes(loader.steps) if isinstance(loader.dataloader, Rebalancer) else 0,
+                count=lambda batch: loader.describe(batch)[0],
+                workers=getattr(state.train_dataloader, 'num_workers', 0) or 0,
+            )
+        reader = loader.dataloader if isinstance(loader.dataloader, Rebalancer) else loader
+        if not isinstance(reader, ReadAheadRebalancer):  # it refuses mid-epoch checkpoints of such a dataset
+            reader.open = ranks.open
+        return ranks
 
     def _eval_start(self, state: State) -> None:
         label = state.dataloader_label

@@ -159,6 +159,10 @@ class JoinLoader:
         # Train only: () -> (epoch, first step, steps Composer skips), read when iteration starts
         # (composer_join.data.resume.train_position), so a mid-epoch resume reshuffles and counts right.
         self.position: Optional[Callable[[], tuple[int, int, int]]] = None
+        # (dataloader, own samples of the epoch before it) -> its iterator; where the user's dataloader is read
+        # (not beneath a Rebalancer): a dataset that resumes itself follows what was read
+        # (composer_join.data.resume.RankDatasets.open)
+        self.open: Callable[[Iterable, int], Iterator[Any]] = lambda dataloader, offset: iter(dataloader)
 
     def current_plan(self) -> Optional[StepPlan]:
         """The current step's plan, its microbatch counts for the microbatch size in force now.
@@ -224,7 +228,10 @@ class JoinLoader:
             self.set_epoch(epoch)
         if isinstance(self.dataloader, Rebalancer):
             self.dataloader.start = first  # the dataset resumed itself at step `first` (else 0)
-        batches = iter(self.dataloader)
+        if isinstance(self.dataloader, Rebalancer):
+            batches = iter(self.dataloader)
+        else:
+            batches = self.open(self.dataloader, self.resumed_samples if first else 0)
         if first + skipped == 0 or self.report.epoch != self.epoch:  # else: resuming the report's epoch
             self.report = EpochReport(epoch=self.epoch, world_size=self._world)
         self._ended, self._failure, self._unreported = False, None, 0

@@ -241,7 +241,7 @@ class ReadAheadRebalancer(Rebalancer):
         self.bytes_sent = self.bytes_received = 0
         self._counts, self.assignments, self._rows = self._zero_counts(), [], None
         self.agreed = True
-        source = _Source(iter(self.dataloader))
+        source = _Source(self.open(self.dataloader, 0))
         self._rows = self._first_rows(source)
         deferred: Optional[BaseException] = None  # a read error on a step that needed no agreement
         step = 0

@@ -129,6 +129,9 @@ class Rebalancer(abc.ABC):
         self.resumed_samples = 0
         self.resumed_bytes = 0
         self.count: Callable[[Any], int] = lambda batch: 0
+        # (dataloader, own samples of the epoch before it) -> its iterator (set by the algorithm for a dataset
+        # that resumes itself: composer_join.data.resume.RankDatasets.open)
+        self.open: Callable[[Iterable, int], Iterator[Any]] = lambda dataloader, offset: iter(dataloader)
 
     @property
     def bytes_sent(self) -> int:
@@ -249,10 +252,11 @@ class RebalancingLoader(Rebalancer):
     def __iter__(self) -> Iterator[Any]:
         self.bytes_sent, self.bytes_received = self.resumed_bytes if self.start else 0, 0
         self._read_samples, self._sent = {}, {}
-        reader = _Reader(self.dataloader, self.counts[self.rank], self.check_overflow)
+        base = self.resumed_samples if self.start else 0
+        reader = _Reader(lambda: self.open(self.dataloader, base), self.counts[self.rank], self.check_overflow)
         reader.read = sum(1 for row in self.steps[: self.start] for c in row if c is not None and c[0] == self.rank)
         if self.start:  # a dataset that resumed itself applies its state at its next iteration: this one
-            reader._it = iter(self.dataloader)
+            reader._it = reader.open()
         failure: Optional[BaseException] = None  # once set, every later step yields Failed(failure)
         for step, row in enumerate(self.steps):
             if step < self.start:
@@ -305,16 +309,16 @@ _EXACT = (
 
 
 class _Reader:
-    """Reads this rank's own batches in order, checking the dataloader against its promised count."""
+    """Reads this rank's own batches in order (``open()`` gives their iterator), checking them against their promised count."""
 
-    def __init__(self, dataloader: Iterable, count: int, check_overflow: bool):
-        self.dataloader, self.count, self.check_overflow = dataloader, count, check_overflow
+    def __init__(self, open: Callable[[], Iterator[Any]], count: int, check_overflow: bool):
+        self.open, self.count, self.check_overflow = open, count, check_overflow
         self._it: Optional[Iterator] = None
         self.read = 0
 
     def next(self) -> Any:
         if self._it is None:
-            self._it = iter(self.dataloader)
+            self._it = self.open()
         try:
             batch = next(self._it)
         except StopIteration:

@@ -1,0 +1,245 @@
+"""The data-pipeline matrix (issue 27): real DataLoaders, workers, Hugging Face ``datasets``, ``StreamingDataset``.
+
+Each case is a 2-epoch fit on 2 ranks (an evaluation after each epoch, then ``predict()``), run by
+:func:`scenarios_pipelines.run_case`; every sample is an id. Every case must show:
+
+* every train id trained exactly once per epoch, across the ranks (and every eval id predicted once);
+* the replicas identical (every rank's final weights equal);
+* the final weights equal to a single-process replay of the steps the ranks recorded (:func:`replay`);
+* every evaluation's metrics equal to one process evaluating all eval ids with that evaluation's weights;
+* the user's dataloader, dataset and sampler left as they were (attribute names; they still pickle; a dataset
+  of these tests pickles to the same bytes);
+* with ``resume_at``: a run resumed from the checkpoint at that batch (mid-epoch 0) trains the same ids at
+  every later step and ends with the same weights as the uninterrupted run.
+
+Refused rows must stop every rank with an error that says what to use instead.
+
+The covering set (not every combination; every value of every axis appears, with the risky pairs):
+
+=========================================  ===============  ==========================  =========  ======
+case                                        data             workers                     mode       resume
+=========================================  ===============  ==========================  =========  ======
+map_exact_w0_shadow                         ExactDistributedSampler  0                  shadow     yes
+map_uneven_w2_persistent_rebalance          uneven DistributedSampler  2 persistent pf4 rebalance  yes
+iter_nolen_w2_shadow_short_first            IterableDataset, no len  2                  shadow     no
+iter_exact_w0_rebalance                     IterableDataset, exact len  0                rebalance  yes
+iter_under_w2_shadow                        IterableDataset, len undercounts  2         shadow     no
+iter_under_w2_rebalance_short_first         IterableDataset, len undercounts  2         rebalance  no
+iter_exact_w2_persistent_shadow             IterableDataset, exact len  2 persistent pf4  shadow   no
+iter_nolen_w2_persistent_rebalance_empty_first  no len, an empty rank  2 persistent     rebalance  no
+iter_exact_w0_shadow_empty_last             exact len, an empty rank  0                 shadow     no
+plain_state_w0_rebalance                    HF-style state_dict(), len  0               rebalance  yes
+hf_iterable_w0_shadow                       to_iterable_dataset + split_dataset_by_node  0  shadow  yes
+hf_generator_w2_forkserver_shadow                from_generator, uneven files  2 forkserver  shadow     no
+hf_map_w2_forkserver_persistent_rebalance        map-style + split_dataset_by_node  2 forkserver persistent  rebalance  no
+hf_map_w0_shadow                            map-style + split_dataset_by_node  0        shadow     yes
+streaming_w0_shadow                         local StreamingDataset  0                   shadow     yes
+streaming_w2_rebalance                      local StreamingDataset  2                   rebalance  no
+refused: hf_iterable_w2_resume              HF iterable, 2 workers, mid-epoch checkpoint: stops every rank
+refused: hf_iterable_w0_rebalance_resume    HF iterable (no len) rebalancing, mid-epoch checkpoint: stops every rank
+=========================================  ===============  ==========================  =========  ======
+
+Risky pairs: persistent workers x evaluation (every case evaluates twice, predicts after), a pickling worker
+start x Hugging Face (both forkserver cases), undercounting len() x both modes, resume x every dataset kind.
+Workers that pickle the dataset start with ``forkserver``: it pickles dataset, sampler and collate function
+exactly as ``spawn`` does, but ``spawn`` re-imports the rank's ``__main__`` (the harness's worker, with
+Composer) in every DataLoader worker, which took 125 s per iteration on the shared 2-core machine. Ranks are permuted by
+the order of ``sizes``: the short or empty rank first or last. Fork everywhere else ``workers`` is 2.
+All cases share one 2-rank launch with a hard timeout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import RankError, launch
+from pipeline_data import EVAL_IDS, X, Y
+from reference import max_abs_diff
+from test_join_core import ok
+from toy import make_module, per_sample_loss
+
+WORLD, TOL = 2, 1e-5
+BASE = dict(batch_size=4, eval_sizes=[6, 3])
+W2 = dict(workers=2, start='fork')
+SPAWN = dict(
+    W2, start='forkserver'
+)  # pickles the dataset as spawn does; spawn re-imports the rank's __main__ per worker
+PERSISTENT = dict(persistent=True, prefetch=4)
+HF_FILES, HF_EVAL_FILES = [7, 3, 3, 2], [4, 1, 2, 2]  # uneven 'files', their shards split over 2 ranks
+
+CASES: dict[str, dict] = {
+    'map_exact_w0_shadow': dict(BASE, data='exact_sampler', sizes=[10, 5], resume_at=2),
+    'map_uneven_w2_persistent_rebalance': dict(
+        BASE, **W2, **PERSISTENT, data='uneven_sampler', sizes=[10, 5], mode='rebalance', resume_at=2
+    ),
+    'iter_nolen_w2_shadow_short_first': dict(BASE, **W2, data='iterable_nolen', sizes=[5, 10], max_duration='8ba'),
+    'iter_exact_w0_rebalance': dict(BASE, data='iterable_exact', sizes=[10, 5], mode='rebalance', resume_at=2),
+    'iter_under_w2_shadow': dict(BASE, **W2, data='iterable_under', sizes=[10, 5]),
+    'iter_under_w2_rebalance_short_first': dict(BASE, **W2, data='iterable_under', sizes=[5, 10], mode='rebalance'),
+    'iter_exact_w2_persistent_shadow': dict(BASE, **W2, **PERSISTENT, data='iterable_exact', sizes=[10, 5]),
+    'iter_nolen_w2_persistent_rebalance_empty_first': dict(
+        BASE,
+        **W2,
+        **PERSISTENT,
+        data='iterable_nolen',
+        sizes=[0, 10],
+        eval_sizes=[0, 6],
+        mode='rebalance',
+        max_duration='4ba',
+    ),
+    'iter_exact_w0_shadow_empty_last': dict(BASE, data='iterable_exact', sizes=[10, 0], eval_sizes=[5, 0]),
+    'plain_state_w0_rebalance': dict(BASE, data='plain_state', sizes=[10, 5], mode='rebalance', resume_at=2),
+    'hf_iterable_w0_shadow': dict(
+        BASE, data='hf_iterable', sizes=HF_FILES, eval_sizes=HF_EVAL_FILES, resume_at=2, max_duration='6ba'
+    ),
+    'hf_generator_w2_forkserver_shadow': dict(
+        BASE, **SPAWN, data='hf_generator', sizes=HF_FILES, eval_sizes=HF_EVAL_FILES, max_duration='6ba'
+    ),
+    'hf_map_w2_forkserver_persistent_rebalance': dict(
+        BASE, **SPAWN, **PERSISTENT, data='hf_map', sizes=[10, 5], mode='rebalance'
+    ),
+    'hf_map_w0_shadow': dict(BASE, data='hf_map', sizes=[10, 5], resume_at=2),
+    'streaming_w0_shadow': dict(BASE, data='streaming', sizes=[8, 8], eval_sizes=[4, 4], resume_at=2),
+    'streaming_w2_rebalance': dict(BASE, **W2, data='streaming', sizes=[8, 8], eval_sizes=[4, 4], mode='rebalance'),
+}
+REFUSED: dict[str, tuple[dict, str]] = {  # case -> (cfg, what the error must advise)
+    'hf_iterable_w2_resume': (
+        dict(BASE, **W2, data='hf_iterable', sizes=HF_FILES, eval_sizes=HF_EVAL_FILES, resume_at=2, max_duration='6ba'),
+        'num_workers=0',
+    ),
+    'hf_iterable_w0_rebalance_resume': (
+        dict(
+            BASE,
+            data='hf_iterable',
+            sizes=HF_FILES,
+            eval_sizes=HF_EVAL_FILES,
+            mode='rebalance',
+            resume_at=2,
+            max_duration='6ba',
+        ),
+        "mode='shadow'",
+    ),
+}
+
+
+PICKLING = ('hf_generator_w2_forkserver_shadow', 'hf_map_w2_forkserver_persistent_rebalance')  # their own launch
+
+
+def _launch(folder: str, cases: dict[str, dict], timeout: float) -> dict:
+    calls = [
+        (name, 'scenarios_pipelines:run_case', dict(name=name, cfg=cfg, folder=folder)) for name, cfg in cases.items()
+    ]
+    return launch(WORLD, calls, timeout=timeout)
+
+
+@pytest.fixture(scope='module')
+def runs_fork(tmp_path_factory):
+    """Every case but those whose workers pickle the dataset, and the refused ones: one 2-rank launch."""
+    cases = {name: cfg for name, cfg in CASES.items() if name not in PICKLING}
+    cases.update({name: cfg for name, (cfg, _) in REFUSED.items()})
+    return _launch(str(tmp_path_factory.mktemp('pipelines')), cases, timeout=540)
+
+
+@pytest.fixture(scope='module')
+def runs_pickling(tmp_path_factory):
+    """The cases whose DataLoader workers start by forkserver (they unpickle the dataset): one 2-rank launch."""
+    return _launch(str(tmp_path_factory.mktemp('pickling')), {name: CASES[name] for name in PICKLING}, timeout=540)
+
+
+@pytest.fixture
+def runs(request):
+    name = request.node.callspec.params['name']
+    return request.getfixturevalue('runs_pickling' if name in PICKLING else 'runs_fork')
+
+
+def replay(steps_per_rank: list[dict[int, tuple[int, list[int]]]]) -> dict[str, torch.Tensor]:
+    """One process trains every recorded step: the mean loss over the step's samples, times A_t / W."""
+    module = make_module('mlp')
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    for step in sorted(steps_per_rank[0]):
+        per_rank = [steps[step][1] for steps in steps_per_rank]
+        active = [ids for ids in per_rank if ids]
+        ids = torch.tensor([i for part in active for i in part])
+        loss = per_sample_loss(module, X[ids], Y[ids]).sum() / len(ids) * len(active) / len(per_rank)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def evaluated(flat: torch.Tensor, ids: list[int]) -> dict[str, float]:
+    module = make_module('mlp')
+    torch.nn.utils.vector_to_parameters(flat, module.parameters())
+    with torch.no_grad():
+        out = module(X[ids])
+    return {
+        'MulticlassAccuracy': float((out.argmax(1) == Y[ids]).float().mean()),
+        'MeanLoss': float(torch.nn.functional.cross_entropy(out, Y[ids])),
+    }
+
+
+def per_epoch(per_rank: list[dict]) -> dict[int, list[int]]:
+    """Every id trained in each epoch, over all ranks, sorted."""
+    out: dict[int, list[int]] = {}
+    for res in per_rank:
+        for epoch, ids in res['steps'].values():
+            out.setdefault(epoch, []).extend(ids)
+    return {e: sorted(ids) for e, ids in out.items()}
+
+
+@pytest.mark.parametrize('name', list(CASES))
+def test_pipeline_case_is_exact(runs, name):
+    cfg = CASES[name]
+    results = ok(runs, name)
+    full = [r['full'] for r in results]
+    train_ids, eval_ids = list(range(sum(cfg['sizes']))), list(range(EVAL_IDS, EVAL_IDS + sum(cfg['eval_sizes'])))
+    epochs = per_epoch(full)  # 2 or more (max_duration in batches without len())
+    assert len(epochs) >= 2 and all(ids == train_ids for ids in epochs.values()), f'{name}: not every id once per epoch'
+    for rank, res in enumerate(full):
+        assert max_abs_diff(res['params'], full[0]['params']) == 0.0, f'{name}: rank {rank} differs from rank 0'
+    diff = max_abs_diff(full[0]['params'], replay([r['steps'] for r in full]))
+    assert diff < TOL, f'{name}: {diff:.2e} from the single-process replay'
+    for res in full:
+        evaluations = len(epochs)  # one after each epoch
+        assert len(res['eval_params']) == evaluations and all(len(v) == evaluations for v in res['eval'].values())
+        for i, flat in enumerate(full[0]['eval_params']):
+            expected = evaluated(flat, eval_ids)
+            for metric, value in expected.items():
+                assert res['eval'][metric][i] == pytest.approx(value, abs=1e-6), (name, i, metric)
+    assert sorted(i for res in full for i in res['predicted']) == eval_ids
+    assert sum(res['predicted_rows'] for res in full) == len(eval_ids)
+    for rank, res in enumerate(results):
+        for run in res.values():
+            before, after = run['user_objects']
+            assert before == after, f'{name}: rank {rank} changed the user objects: {before} -> {after}'
+            assert run['pickles'] == {'dataset': True, 'sampler': True}, run['pickles']
+    if cfg.get('resume_at') is not None:
+        k = cfg['resume_at']
+        for rank, res in enumerate(results):
+            later = {s: v for s, v in res['full']['steps'].items() if s >= k}
+            assert res['resumed']['steps'] == later, f'{name}: rank {rank} resumed different steps'
+            diff = max_abs_diff(res['resumed']['params'], res['full']['params'])
+            assert diff < 1e-6, f'{name}: rank {rank} resumed {diff:.2e} from the uninterrupted run'
+
+
+@pytest.mark.parametrize('name', list(REFUSED))
+def test_refused_pipeline_stops_every_rank_with_advice(runs, name):
+    advice = REFUSED[name][1]
+    for rank, res in enumerate(runs[name]):
+        assert isinstance(res, RankError), f'{name}: rank {rank} did not stop: {type(res).__name__}'
+        assert res.type == 'UnevenInputsError' and advice in res.message, f'rank {rank}: {res}'
+
+
+def test_the_user_objects_check_sees_a_replaced_method():
+    # the check the matrix applies to the user's objects fails where an attribute is set on one
+    from torch.utils.data import DataLoader
+
+    from pipeline_data import PlainState, collate_ids
+    from scenarios_pipelines import pickles, user_objects
+
+    loader = DataLoader(PlainState([1, 2], 2), batch_size=2, collate_fn=collate_ids)
+    before = user_objects(loader)
+    loader.dataset.state_dict = lambda *a: {}  # what 0.1.0 did to a dataset with state_dict
+    assert user_objects(loader) != before
+    assert pickles(loader)['dataset'] is not True

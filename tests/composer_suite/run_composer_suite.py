@@ -321,7 +321,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.keep:
             print(f'test-composer: output kept in {out}')
-        return 1 if totals[1] or unfinished else 0
+        empty = [mode for mode, c in comparisons.items() if not c.passed(c.stock)]
+        if empty:  # every test skipped (a missing dependency of Composer's fixtures) compares nothing: fail
+            print(f'test-composer: no test passed on stock Composer in {empty}: nothing was compared', file=sys.stderr)
+        return 1 if totals[1] or unfinished or empty else 0
     finally:
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)

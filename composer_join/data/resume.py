@@ -130,7 +130,10 @@ class RankDatasets:
         self._trail: dict[int, Any] = {}
         self._loaded: Optional[Any] = None  # the state just loaded, until the iteration it applies to opens
         self._resumed = False  # a state was loaded: later epochs must start from the initial state again
-        if 'dataset_state' in state.serialized_attributes:  # Composer's rank-0 copy: UnevenJoin saves each rank's
+        # Composer's rank-0 copy calls state_dict(num_samples, from_beginning), which a Hugging Face style dataset
+        # does not take: leave it out for those (UnevenJoin saves each rank's); a sharded checkpoint's load expects it
+        # for the others, whose state_dict takes Composer's arguments
+        if not self.positional and 'dataset_state' in state.serialized_attributes:
             state.serialized_attributes.remove('dataset_state')
 
     @staticmethod

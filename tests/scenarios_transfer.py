@@ -15,7 +15,7 @@ from composer.utils import dist
 
 import devices
 from composer_join import UnevenInputsError
-from composer_join.rebalance.rebalance import RebalancingLoader
+from composer_join.rebalance.rebalance import Failed, RebalancingLoader
 
 DTYPES = [
     torch.bool,
@@ -78,6 +78,9 @@ def transfer(unsendable: bool = False) -> dict[str, Any]:
     loader = RebalancingLoader(own, counts=[2, 0], own_len=len(own), to_device=lambda t: t.to(on))
     try:
         received = list(loader)
+        failed = [b.error for b in received if isinstance(b, Failed)]
+        if failed:  # the loader yields Failed for a step it could not form; the JoinLoader raises it
+            raise failed[0]
     except UnevenInputsError as e:
         return {'error': str(e)}
     out = received[0]

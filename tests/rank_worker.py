@@ -1,4 +1,8 @@
-"""One rank of a :func:`harness.launch`: run the calls in order, save the results. Not a test module."""
+"""One rank of a :func:`harness.launch`: run the calls in order, save the results. Not a test module.
+
+``harness`` forks each rank from its server and calls :func:`main` then :func:`leave`; run as a script
+(``python rank_worker.py SPEC OUT_PREFIX``, with the rank's environment), it does the same.
+"""
 
 import importlib
 import logging
@@ -41,12 +45,19 @@ def main(spec_path: str, out_prefix: str) -> None:
     torch.save(results, out_prefix + '.pt')
 
 
-if __name__ == '__main__':
-    main(sys.argv[1], sys.argv[2])
-    # The results are saved: leave without the interpreter's finalization, which torch 2.7's gloo
-    # worker threads can abort (SIGABRT, "terminate called without an active exception") when they
-    # still hold work objects with tensors in them (pytorch/pytorch#179291). A rank that raised or
-    # died before this line still exits non-zero, and the harness reports it.
+def leave() -> None:
+    """Exit at once, the results saved.
+
+    Without the interpreter's finalization, which torch 2.7's gloo worker threads can abort (SIGABRT,
+    "terminate called without an active exception") when they still hold work objects with tensors in
+    them (pytorch/pytorch#179291). A rank that raised or died before this still exits non-zero, and the
+    harness reports it.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == '__main__':
+    main(sys.argv[1], sys.argv[2])
+    leave()

@@ -155,25 +155,40 @@ def test_throw_on_early_termination_stops_every_rank(tmp_path):
     assert not SUMMARY.search(result.ranks[0])
 
 
-@pytest.mark.parametrize(
-    ('overrides', 'message'),
-    [
-        (['trainer.max_duraton=1ep'], "trainer.max_duraton: unknown argument of Trainer; did you mean 'max_duration'?"),
-        (['trainer.progress_bar=maybe'], "trainer.progress_bar: expected bool, got 'maybe' (str)"),
-        (
-            ['algorithms=[uneven_join,uneven_jion]'],
-            "algorithms[1]: unknown algorithm 'uneven_jion'; did you mean 'uneven_join'? allowed: alibi, ",
-        ),
-    ],
-    ids=['unknown-key', 'wrong-type', 'unknown-algorithm'],
-)
-def test_bad_config_stops_every_rank_before_training(overrides, message, tmp_path):
-    result = launch(tmp_path, 'digits_uneven.yaml', *overrides)
+# Three mistakes in one launch: the config is checked whole, so every rank reports all three at once.
+BAD_CONFIG = {
+    'unknown-key': (
+        'trainer.max_duraton=1ep',
+        "trainer.max_duraton: unknown argument of Trainer; did you mean 'max_duration'?",
+    ),
+    'wrong-type': ('trainer.progress_bar=maybe', "trainer.progress_bar: expected bool, got 'maybe' (str)"),
+    'unknown-algorithm': (
+        'algorithms=[uneven_join,uneven_jion]',
+        "algorithms[1]: unknown algorithm 'uneven_jion'; did you mean 'uneven_join'? allowed: alibi, ",
+    ),
+}
+
+
+@pytest.fixture(scope='module')
+def bad_config_run(tmp_path_factory) -> Run:
+    return launch(tmp_path_factory.mktemp('bad-config'), 'digits_uneven.yaml', *(o for o, _ in BAD_CONFIG.values()))
+
+
+def test_bad_config_stops_every_rank_before_training(bad_config_run):
+    result = bad_config_run
     assert result.returncode == 2, result.ranks[0][-3000:]
     for rank, out in enumerate(result.ranks):
-        assert f'[rank {rank}] invalid config (1 problem):\n  {message}' in out, out[-3000:]
+        assert f'[rank {rank}] invalid config ({len(BAD_CONFIG)} problems):\n  ' in out, out[-3000:]
         assert 'Traceback' not in out
     assert not SUMMARY.search(result.ranks[0])
+
+
+@pytest.mark.parametrize('mistake', list(BAD_CONFIG))
+def test_every_mistake_in_a_bad_config_is_named_on_every_rank(bad_config_run, mistake):
+    _, message = BAD_CONFIG[mistake]
+    for rank, out in enumerate(bad_config_run.ranks):
+        problems = out.split(f'[rank {rank}] invalid config (')[-1]
+        assert f'\n  {message}' in problems, out[-3000:]
 
 
 def test_same_script_runs_as_a_single_process():

@@ -1,9 +1,11 @@
 """Two launcher invocations on this machine ("nodes" of 2 ranks each) train an uneven run exactly like one 4-rank launch.
 
 ``composer --world_size 4 --nproc 2 --node_rank 0|1 --master_addr 127.0.0.1`` starts two nodes
-that meet through the same master port; ``composer -n 4`` starts one. Both must end with the
-single-process reference's weights, and with the same weights, optimizer state, timestamps and
-epoch reports as each other. Every launch has a hard timeout and is killed with its process group.
+that meet through the same master port. They must end with the single-process reference's weights,
+and with the same weights, optimizer state, timestamps and epoch reports as one 4-rank run on one
+node (``tests/harness.launch``: the same ``rank_scenarios.train``, ranks forked from its server,
+which spares a third launcher start; ``tests/test_launcher.py`` covers ``composer -n``). Every launch
+has a hard timeout and is killed with its process group.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 import torch
 
 import reference
-from harness import free_port
+from harness import free_port, launch
 from multinode_train import CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,14 +66,15 @@ def load(out: Path) -> list[dict]:
 
 
 def test_two_nodes_train_like_one(tmp_path):
-    one, two = tmp_path / 'one', tmp_path / 'two'
-    one.mkdir(), two.mkdir()
-    finish([start(['-n', 4, '--master_port', free_port()], one)])
+    two = tmp_path / 'two'
+    two.mkdir()
+    single = launch(4, [('one_node', 'train', {'cfg': CONFIG})], timeout=HARD_TIMEOUT)['one_node']
+    assert all(isinstance(r, dict) for r in single), single
     port = free_port()
     node = ['--world_size', 4, '--nproc', 2, '--master_addr', '127.0.0.1', '--master_port', port]
     finish([start([*node, '--node_rank', 0], two), start([*node, '--node_rank', 1], two)])
 
-    single, multi = load(one), load(two)
+    multi = load(two)
     assert [r['node_rank'] for r in multi] == [0, 0, 1, 1]
     ref = reference.train(CONFIG)
     for rank in range(4):

@@ -43,7 +43,8 @@ DDP: dict[str, dict] = {
     'planned_forward': dict(BASE, oom=oom([1], [0])),
     'agreed_forward_multi': dict(BASE, sync='multi_auto_sync', oom=oom([0], [2])),
     # rank 1 shadows step 3: under DDP its microbatch runs no model code (docs/shadow-steps.md), so it cannot
-    # hit an OOM itself; it must still meet rank 0's handshake
+    # hit an OOM itself; it must still meet rank 0's handshake (and retries on the template). Swapped ('@1'), it
+    # found the shadowing rank 0 writing the reduced gradients to the wrong parameters after the retry (fixed)
     'forward_beside_a_shadow_rank': dict(BASE, oom=oom([0], [3])),
     'real_rank_loss_forced': dict(BASE, sync='forced_sync', oom=oom([0], [3], 'loss')),
     'planned_loss_forced': dict(BASE, sync='forced_sync', join=NO_DIVIDE, oom=oom([1], [1], 'loss')),

@@ -1,7 +1,10 @@
 """Every multi-rank scenario again with its ranks rotated: which rank runs short must not matter.
 
 A scenario config gives its ranks' data per rank: lists indexed by rank (``shards``,
-``eval_shards``) and dicts keyed by rank (``claimed_len``, ``fail_at``). :func:`rotate` moves rank
+``eval_shards``, ``batch_sizes``, ``batch_plan``, ``layout``), dicts keyed by rank (``claimed_len``,
+``fail_at``), lists of ranks (``unsized`` when it is a list: the ranks without ``len()``; the
+``ranks`` of every ``oom`` rule, tests/scenarios_oom.py) and cut points (``cuts``: rank ``r`` gets
+``perm[cuts[r]:cuts[r + 1]]``, tests/scenarios_resume.py). :func:`rotate` moves rank
 ``r``'s part of all of them to rank ``(r + k) % W`` at once, so a rotated scenario is the same
 scenario with other ranks in each role; its reference follows, since every reference reads the
 same config (rank ``r`` reads ``shard(r, shards[r])``). :func:`with_rotations` adds, per scenario,
@@ -15,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Optional
 
-PER_RANK_LISTS = ('shards', 'eval_shards')
+PER_RANK_LISTS = ('shards', 'eval_shards', 'batch_sizes', 'batch_plan', 'layout')
 PER_RANK_DICTS = ('claimed_len', 'fail_at')
 
 
 def world_size(cfg: dict[str, Any]) -> int:
-    return len(cfg['shards'])
+    return len(cfg['shards']) if 'shards' in cfg else len(cfg['cuts']) - 1
 
 
 def rotate(cfg: dict[str, Any], k: int) -> dict[str, Any]:
@@ -33,13 +36,23 @@ def rotate(cfg: dict[str, Any], k: int) -> dict[str, Any]:
     for key in PER_RANK_DICTS:
         if cfg.get(key):
             out[key] = {(r + k) % w: v for r, v in cfg[key].items()}
+    if isinstance(cfg.get('unsized'), list):
+        out['unsized'] = sorted((r + k) % w for r in cfg['unsized'])
+    if cfg.get('oom'):
+        out['oom'] = [dict(rule, ranks=sorted((r + k) % w for r in rule['ranks'])) for rule in cfg['oom']]
+    if cfg.get('cuts') is not None:
+        sizes = [b - a for a, b in zip(cfg['cuts'], cfg['cuts'][1:])]
+        moved = [sizes[(i - k) % w] for i in range(w)]
+        out['cuts'] = [sum(moved[:i]) for i in range(w + 1)]
     return out
 
 
 def _shortest(cfg: dict[str, Any]) -> int:
     """The rank with the least data: fewest train samples, then fewest eval samples (the first such rank)."""
-    evals = cfg.get('eval_shards') or [0] * world_size(cfg)
-    sizes = [(n, e) for n, e in zip(cfg['shards'], evals)]
+    w = world_size(cfg)
+    evals = cfg.get('eval_shards') or [0] * w
+    train = cfg['shards'] if 'shards' in cfg else [b - a for a, b in zip(cfg['cuts'], cfg['cuts'][1:])]
+    sizes = [(n, e) for n, e in zip(train, evals)]
     return sizes.index(min(sizes))
 
 

@@ -11,6 +11,16 @@ collective, and ranks with different microbatch counts issued different numbers 
 
 One 2-rank launch runs every scenario (shards 40 and 21, batch 8, microbatch 4: 5 steps, steps 0-1
 planned from the lengths, step 2 the first agreed, steps 3-4 shadow steps for rank 1).
+
+Which rank runs short, and which one raises, must not matter: six scenarios run again with their ranks
+swapped (``'<name>@1'``, tests/rank_orders.py: shards, eval shards and the OOM rules' ranks together), in
+the same launch. Between them and their originals the OOM falls on rank 0 and on the last rank, on the
+short rank and on the long one, in a planned, an agreed and a shadowing step, in a forward without
+``len()``, in evaluation, and under DDP, FSDP1 and FSDP2: ``planned_forward`` (the short rank raises
+at step 0), ``forward_beside_a_shadow_rank`` (the long rank raises beside the shadowing one),
+``no_len_forward``, ``eval_one_rank`` (the rank with less eval data raises), ``fsdp1_shadow_rank_forward``
+(the shadowing rank raises) and ``fsdp2_agreed_loss``. The other scenarios differ from these only in the
+point, the sync strategy or the optimizer (suite time).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import pytest
 
 import reference
 from harness import launch
+from rank_orders import expand, with_rotations
 from test_join_core import DIVIDE, NO_DIVIDE, TOL, ok
 
 BASE = dict(shards=[40, 21], batch_size=8, epochs=1, microbatch=4, join=DIVIDE)
@@ -32,7 +43,8 @@ DDP: dict[str, dict] = {
     'planned_forward': dict(BASE, oom=oom([1], [0])),
     'agreed_forward_multi': dict(BASE, sync='multi_auto_sync', oom=oom([0], [2])),
     # rank 1 shadows step 3: under DDP its microbatch runs no model code (docs/shadow-steps.md), so it cannot
-    # hit an OOM itself; it must still meet rank 0's handshake
+    # hit an OOM itself; it must still meet rank 0's handshake (and retries on the template). Swapped ('@1'), it
+    # found the shadowing rank 0 writing the reduced gradients to the wrong parameters after the retry (fixed)
     'forward_beside_a_shadow_rank': dict(BASE, oom=oom([0], [3])),
     'real_rank_loss_forced': dict(BASE, sync='forced_sync', oom=oom([0], [3], 'loss')),
     'planned_loss_forced': dict(BASE, sync='forced_sync', join=NO_DIVIDE, oom=oom([1], [1], 'loss')),
@@ -57,7 +69,15 @@ FSDP: dict[str, dict] = {
     # every rank OOMs in evaluation: under FSDP, Composer's eval retry has no in-forward check
     'fsdp1_eval': dict(BASE, wrapper='fsdp1', eval_shards=[20, 7], eval_microbatch=4, oom=oom([0, 1], ['eval'])),
 }
-SCENARIOS = {**DDP, **FSDP}
+ROTATED = [
+    'planned_forward',
+    'forward_beside_a_shadow_rank',
+    'no_len_forward',
+    'eval_one_rank',
+    'fsdp1_shadow_rank_forward',
+    'fsdp2_agreed_loss',
+]
+SCENARIOS = with_rotations({**DDP, **FSDP}, ROTATED)
 
 
 @pytest.fixture(scope='module')
@@ -74,7 +94,7 @@ def expected_sizes(cfg: dict) -> tuple[int, set]:
     return size, {(rank, step) for r in rules for rank in r['ranks'] for step in r['steps']}
 
 
-@pytest.mark.parametrize('name', list(SCENARIOS))
+@pytest.mark.parametrize('name', expand([*DDP, *FSDP], SCENARIOS))
 def test_oom_on_some_ranks_is_retried_on_all_and_trains_like_the_halved_size(runs, name):
     cfg = SCENARIOS[name]
     per_rank = ok(runs, name)
@@ -97,7 +117,7 @@ def test_oom_on_some_ranks_is_retried_on_all_and_trains_like_the_halved_size(run
         reference.assert_like_reference(name, per_rank, ref['params'], TOL)
 
 
-@pytest.mark.parametrize('name', ['eval_one_rank', 'fsdp1_eval'])
+@pytest.mark.parametrize('name', expand(['eval_one_rank', 'fsdp1_eval'], SCENARIOS))
 def test_evaluation_after_an_oom_is_exact(runs, name):
     cfg = SCENARIOS[name]
     per_rank = ok(runs, name)

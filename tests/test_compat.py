@@ -16,6 +16,14 @@ SelectiveBackprop also under FSDP2 (equal to DDP), and there with microbatches o
 
 Before issue 17, MixUp, CutMix, SelectiveBackprop, SAM and Alibi (its sequence-length scaling)
 crashed or aborted on uneven shards, and SeqLengthWarmup could not read the dataloader's batch size.
+
+Which rank runs short must not matter: the algorithms that rewrite the batch or the loss (MixUp with
+an interpolated loss, CutMix, SelectiveBackprop, SAM), GhostBatchNorm (its buffers: rank 0, the first
+buffer source, shadows) and Alibi also run on uneven shards with their ranks swapped (6 and 12:
+``'<name>/uneven@1'``, tests/rank_orders.py), and rebalancing onto an empty rank with MixUp and
+SelectiveBackprop, with and without ``len()``, with the empty receiver on rank 0 and the donor last
+(``'<name>/rb_sized_empty@1'``, ``'<name>/rb_unsized_empty@1'``); all in the same launch. The other
+algorithms act on the model once, at INIT, or on whole epochs (suite time).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import pytest
 
 from harness import launch
+from rank_orders import expand, with_rotations
 from scenarios_compat import BATCH, NLP, VISION
 from test_join_core import ok
 from test_rebalance import expected_steps
@@ -47,6 +56,12 @@ AGAINST_STOCK = [
 REPLICA_TOL = 1e-6  # SAM: each rank adds and subtracts its own perturbation, so rounding differs (stock too)
 STOCK_TOL = 1e-6
 TRAIN = 'scenarios_compat:algorithm_train'
+# the short rank first too (see the module docstring)
+UNEVEN_ROTATED = ['MixUp_interpolate_loss', 'CutMix', 'SelectiveBackprop', 'SAM', 'GhostBatchNorm', 'Alibi']
+UNEVEN_RUNS = with_rotations(
+    {f'{n}/uneven': dict(UNEVEN, algorithm=n, join='after') for n in ALGORITHMS},
+    [f'{n}/uneven' for n in UNEVEN_ROTATED],
+)
 
 
 # batch-reshaping algorithms with microbatches (the counts change after the plan), and under FSDP2
@@ -90,6 +105,10 @@ RB_FSDP = {  # FSDP2 run -> the same run under DDP
 for fsdp, ddp in RB_FSDP.items():
     RB_RUNS[fsdp] = dict(RB_RUNS[ddp], wrapper='fsdp2')
 RB_RUNS[f'{SB}/rb_unsized/fsdp2_microbatch'] = dict(RB_LAID, algorithm=SB, unsized=True, wrapper='fsdp2', microbatch=1)
+# the empty receiver on rank 0, the donor last
+RB_RUNS = with_rotations(
+    RB_RUNS, [f'{n}/{case}' for n in ('MixUp_interpolate_loss', SB) for case in ('rb_sized_empty', 'rb_unsized_empty')]
+)
 
 
 def batch_counts(shards: list[int]) -> list[int]:
@@ -106,8 +125,8 @@ def laid_out(shards: list[int]) -> list[list[tuple[int, int]]]:
 @pytest.fixture(scope='module')
 def runs() -> dict:
     calls = []
+    calls += [(name, TRAIN, {'cfg': cfg}) for name, cfg in UNEVEN_RUNS.items()]
     for name in ALGORITHMS:
-        calls.append((f'{name}/uneven', TRAIN, {'cfg': dict(UNEVEN, algorithm=name, join='after')}))
         if name in AGAINST_STOCK:
             calls.append((f'{name}/even', TRAIN, {'cfg': dict(EVEN, algorithm=name, join='first')}))
             calls.append((f'{name}/stock', TRAIN, {'cfg': dict(EVEN, algorithm=name, join=None)}))
@@ -122,10 +141,10 @@ def runs() -> dict:
     return launch(2, calls, timeout=480)
 
 
-@pytest.mark.parametrize('name', [f'{n}/uneven' for n in ALGORITHMS] + list(MORE))
+@pytest.mark.parametrize('name', expand([f'{n}/uneven' for n in ALGORITHMS], UNEVEN_RUNS) + list(MORE))
 def test_uneven_shards_train_every_sample_once_and_replicas_agree(runs, name):
     ranks = ok(runs, name)
-    shards, epochs = UNEVEN['shards'], UNEVEN['epochs']
+    shards, epochs = UNEVEN_RUNS.get(name, UNEVEN)['shards'], UNEVEN['epochs']
     for rank, res in enumerate(ranks):
         assert res['read'] == list(range(shards[rank])) * epochs, f'rank {rank} did not read its shard once per epoch'
         assert res['sample'] == sum(shards) * epochs
@@ -166,7 +185,7 @@ def trained_cells(ranks: list[dict], epoch: int) -> list[list]:
     return rows
 
 
-@pytest.mark.parametrize('name', list(RB_RUNS))
+@pytest.mark.parametrize('name', expand([n for n in RB_RUNS if '@' not in n], RB_RUNS))
 def test_rebalanced_every_sample_trains_once_in_the_specified_steps_and_replicas_agree(runs, name):
     cfg = RB_RUNS[name]
     ranks = ok(runs, name)

@@ -8,6 +8,15 @@ references of tests/test_rebalance.py (the planned schedule) and tests/test_reba
 read-ahead rule's replay). All scenarios of one world size share one process group; the
 stock-Composer hang runs in its own short launch, with a short collective timeout, since a hang
 breaks the process group it happens in.
+
+Which rank runs short must not matter: under both wrappers, the empty shard of three ranks
+(``{w}_empty_shard``, empty rank first and last), the uneven evaluation (``{w}_eval``, the short train and
+eval shards on rank 0) and rebalancing onto an empty rank with and without ``len()`` (``{w}_rebalance_empty``,
+``{w}_readahead_empty``: the receiver on rank 0, the donor last) run again with their ranks rotated
+(tests/rank_orders.py), in the launch of their world size, and ``fsdp1_throw`` with rank 0 running out
+(the error names it). ``{w}_batchnorm_rank0_short`` was already ``{w}_batchnorm``'s short rank first. The
+others assert per-rank microbatch sizes or collective counts of one layout, or are the same path with
+another optimizer (suite time).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import reference
 import reference_fsdp
 import test_rebalance
 from harness import launch
+from rank_orders import expand, with_rotations
 from test_join_core import DIVIDE, NO_DIVIDE, ok
 from test_rebalance_unsized import observed, replay, simulate
 
@@ -126,6 +136,13 @@ for w in ALL_WRAPPERS:
         }
     )
 
+# the short, empty, receiving rank on the other side too (see the module docstring)
+SCENARIOS = with_rotations(SCENARIOS, [f'{w}_eval' for w in ALL_WRAPPERS] + ['fsdp1_throw'])
+THREE = with_rotations(THREE, [f'{w}_empty_shard' for w in ALL_WRAPPERS])
+REBALANCE = with_rotations(
+    REBALANCE, [f'{w}_{c}' for w in ALL_WRAPPERS for c in ('rebalance_empty', 'readahead_empty')]
+)
+
 # Collectives per step, 2 ranks, batch 8, microbatch 3 (3 microbatches on a full batch). Step 2 of
 # 'uneven' has 8 and 4 samples (3 and 2 microbatches); step 2 of 'shadow' has a shadow rank.
 COUNTED: dict[str, dict] = {}
@@ -207,8 +224,7 @@ def test_uneven_microbatch_counts_are_padded_with_shadow_microbatches(runs, w):
 
 @pytest.mark.parametrize('w', WRAPPER_PARAMS)
 def test_three_ranks_and_an_empty_shard(runs, w):
-    for case in ('empty_shard', 'three_ranks'):
-        name = f'{w}_{case}'
+    for name in expand([f'{w}_empty_shard', f'{w}_three_ranks'], THREE):
         check_reference(name, THREE[name], ok(runs, name))
 
 
@@ -227,8 +243,10 @@ def test_batchnorm_buffers_see_only_real_forwards(runs, w, case):
 
 @pytest.mark.parametrize('w', WRAPPER_PARAMS)
 def test_throw_on_early_termination_stops_every_rank(runs, w):
-    for res in ok(runs, f'{w}_throw'):
-        assert 'rank(s) [1] ran out of data at step 3 of epoch 0' in res['error']
+    for name in expand([f'{w}_throw'], SCENARIOS):  # rank 1 runs out, or rank 0 when rotated
+        short = SCENARIOS[name]['shards'].index(21)
+        for res in ok(runs, name):
+            assert f'rank(s) [{short}] ran out of data at step 3 of epoch 0' in res['error'], name
 
 
 @pytest.mark.parametrize('w', WRAPPER_PARAMS)
@@ -236,10 +254,8 @@ def test_throw_on_early_termination_stops_every_rank(runs, w):
 def test_uneven_evaluation_is_exact(runs, w, case):
     # eval shards of 20 and 7 samples, batch 4, eval microbatch 3: a full batch is 2 microbatches, a
     # partial one (3 samples) 1, a shadow one 1 (padded to 2); after training, or in trainer.eval() alone
-    name = f'{w}_{case}'
-    cfg = SCENARIOS[name]
-    per_rank = ok(runs, name)
-    reference.assert_evaluation_like_reference(per_rank, cfg)
+    for name in expand([f'{w}_{case}'], SCENARIOS):
+        reference.assert_evaluation_like_reference(ok(runs, name), SCENARIOS[name])
 
 
 def test_branch_unused_by_some_rank(runs):
@@ -333,7 +349,9 @@ def test_stock_composer_fsdp_hangs_on_uneven_microbatch_counts():
         assert all(res['steps_completed'] == 2 for res in per_rank), f'{w}: {per_rank}'
 
 
-@pytest.mark.parametrize('name', [by_wrapper(n, REBALANCE[n]['wrapper']) for n in REBALANCE])
+@pytest.mark.parametrize(
+    'name', [by_wrapper(n, REBALANCE[n]['wrapper']) for n in expand([n for n in REBALANCE if '@' not in n], REBALANCE)]
+)
 def test_rebalance_trains_every_batch_once_padded_and_equal_to_the_reference(runs, name):
     cfg = REBALANCE[name]
     per_rank = ok(runs, name)

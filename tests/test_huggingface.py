@@ -4,6 +4,12 @@ A tiny GPT-2 (built from a config, no download, no dropout) trains on 2 and 3 ra
 evaluations per run. Training is compared with a single-process reference written with plain torch
 and transformers (``reference_hf``), evaluation with one process evaluating all the eval data. All
 scenarios of one world size share one process group.
+
+Which rank runs short must not matter: ``adam_3`` (rank 2 short and without eval data) runs again
+with that rank first and in the middle, ``crash_repro`` (the shorter eval shard, whose shadow evaluation
+steps hand the popped template around) and ``mutating`` with their ranks swapped (tests/rank_orders.py:
+train and eval shards together), in the launch of their world size. The other scenarios vary the
+optimizer, the sync strategy or the loss weighting on the same layouts (suite time).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import pytest
 import reference
 import reference_hf
 from harness import launch
+from rank_orders import expand, with_rotations
 from test_join_core import ok
 
 TOL = 1e-5
@@ -39,6 +46,11 @@ MUTATING = {  # a toy model that pops keys from its batch and scales the rest in
         shards=[20, 9], eval_shards=[10, 3], batch_size=4, epochs=2, eval_interval='3ba', microbatch=2, join={}
     ),
 }
+# the short rank, the rank without eval data, on the other side too (see the module docstring)
+ORIGINAL = list(SCENARIOS)
+SCENARIOS = with_rotations(SCENARIOS, ['adam_3', 'crash_repro'])
+MUTATING = with_rotations(MUTATING)
+JOINED = expand([n for n in ORIGINAL if SCENARIOS[n]['join'] is not None], SCENARIOS)
 
 
 @pytest.fixture(scope='module')
@@ -59,16 +71,17 @@ def evaluations(cfg: dict) -> int:
     return cfg['epochs'] // every if cfg['eval_interval'].endswith('ep') else -(-steps // every)  # and at the end
 
 
-def test_shadow_evaluation_steps_do_not_crash_a_model_that_pops_labels(runs):
-    cfg = SCENARIOS['crash_repro']
-    for rank, res in enumerate(ok(runs, 'crash_repro')):
+@pytest.mark.parametrize('name', expand(['crash_repro'], SCENARIOS))
+def test_shadow_evaluation_steps_do_not_crash_a_model_that_pops_labels(runs, name):
+    cfg = SCENARIOS[name]
+    for rank, res in enumerate(ok(runs, name)):
         assert len(res['eval']['LanguageCrossEntropy']) == 2, f'rank {rank}: expected two evaluations'
         for i, params in enumerate(res['eval_params']):
             ref = reference_hf.evaluate(params, cfg)
             assert res['eval']['LanguageCrossEntropy'][i] == pytest.approx(ref['loss'], abs=1e-6)
 
 
-@pytest.mark.parametrize('name', [n for n, c in SCENARIOS.items() if c['join'] is not None])
+@pytest.mark.parametrize('name', JOINED)
 def test_training_matches_single_process_reference_and_replicas_stay_identical(runs, name):
     cfg = SCENARIOS[name]
     ref = reference_hf.train(cfg)
@@ -78,7 +91,7 @@ def test_training_matches_single_process_reference_and_replicas_stay_identical(r
         assert res['samples'] == sum(cfg['shards']) * cfg['epochs']
 
 
-@pytest.mark.parametrize('name', [n for n, c in SCENARIOS.items() if c['join'] is not None])
+@pytest.mark.parametrize('name', JOINED)
 def test_every_evaluation_equals_one_process_evaluating_all_data(runs, name):
     cfg = SCENARIOS[name]
     for rank, res in enumerate(ok(runs, name)):
@@ -102,12 +115,14 @@ def test_stock_composer_trains_and_evaluates_less(runs):
     assert abs(stock['eval']['LanguageCrossEntropy'][-1] - ref['loss']) > 1e-4
 
 
-def test_a_model_that_mutates_its_batch_is_never_handed_the_same_batch_twice(runs):
-    cfg = MUTATING['mutating']
+@pytest.mark.parametrize('name', expand(['mutating'], MUTATING))
+def test_a_model_that_mutates_its_batch_is_never_handed_the_same_batch_twice(runs, name):
+    cfg = MUTATING[name]
+    short = cfg['shards'].index(9)  # rank 1, or rank 0 when rotated
     ref = reference.train(dict(cfg, fmt='dict'))
-    for rank, res in enumerate(ok(runs, 'mutating')):
+    for rank, res in enumerate(ok(runs, name)):
         assert res['repeats'] == 0, f'rank {rank}: the model was handed a batch object it had already seen'
-        assert res['shadow_steps'] == [0, 4][rank]  # 5 steps per epoch, rank 1 has 3 batches
+        assert res['shadow_steps'] == (4 if rank == short else 0)  # 5 steps per epoch, the short rank has 3 batches
         assert reference.max_abs_diff(res['params'], ref['params']) < TOL
         assert res['samples'] == 58
         assert len(res['eval']) == evaluations(cfg) == 4

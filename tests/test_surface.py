@@ -4,6 +4,12 @@ One 2-rank launch. Predict: every rank predicts every sample of its own shard on
 the model applied to each sample by this process), under DDP and FSDP2, with an empty shard, also
 with ``mode='rebalance'``; stock Composer stops every rank at the shortest shard. Callbacks and options: toy model, shards 24 and
 10, batch 8 (rank 1 shadows steps 3 and 6), every rank trains, logs and stops the same.
+
+Which rank runs short must not matter: ``callbacks`` (rank 0, the rank that saves the checkpoints and
+whose logs are read, then shadows steps 3 and 6 itself), ``early_stopper`` (the short eval shard on rank 0
+as well), ``subsets`` and ``generate`` also run with their ranks swapped (``'<name>@1'``,
+tests/rank_orders.py), in the same launch. Predict already has its empty shard on either rank; the
+duration and second-fit scenarios follow the same per-step path (suite time).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import pytest
 import torch
 
 from harness import launch
+from rank_orders import expand, with_rotations
 from test_join_core import ok
 from toy import make_module, shard
 
@@ -53,6 +60,8 @@ TRAIN = {
         shards=[24, 10], max_duration='1ep', fits=[{}, {'duration': '1ep'}], trainer=dict(spin_dataloaders=False)
     ),
 }
+TRAIN = with_rotations(TRAIN, ['callbacks', 'early_stopper', 'subsets'])
+GENERATE = with_rotations({'generate': dict(shards=[12, 5])})
 CUMULATIVE = [16, 26, 34, 50, 60, 68]  # real samples after each step (24/10, batch 8: 8+8, 8+2, 8+0)
 
 
@@ -60,8 +69,8 @@ CUMULATIVE = [16, 26, 34, 50, 60, 68]  # real samples after each step (24/10, ba
 def runs() -> dict:
     calls = [(n, 'scenarios_surface:predict', {'cfg': c}) for n, c in PREDICT.items()]
     calls += [(n, 'scenarios_surface:surface_train', {'cfg': c}) for n, c in TRAIN.items()]
+    calls += [(n, 'scenarios_surface:hf_generate', {'cfg': c}) for n, c in GENERATE.items()]
     calls += [
-        ('generate', 'scenarios_surface:hf_generate', {'cfg': dict(shards=[12, 5])}),
         ('without_pass', 'scenarios_surface:without_join_pass', {'cfg': dict(shards=[24, 10])}),
     ]
     return launch(2, calls, timeout=420)
@@ -102,9 +111,15 @@ def _same_on_both(ranks, key):
     return ranks[0][key]
 
 
-def test_callbacks_log_real_steps_and_agree(runs):
-    ranks = ok(runs, 'callbacks')
-    assert [r['shadow'] for r in ranks] == [[False] * 6, [False, False, True] * 2]
+def short_rank(cfg: dict) -> int:
+    return cfg['shards'].index(min(cfg['shards']))
+
+
+@pytest.mark.parametrize('name', expand(['callbacks'], TRAIN))
+def test_callbacks_log_real_steps_and_agree(runs, name):
+    ranks = ok(runs, name)
+    short = short_rank(TRAIN[name])  # rank 1, or rank 0 (which saves the checkpoints) when rotated
+    assert [r['shadow'] for r in ranks] == [[False, False, True] * 2 if r == short else [False] * 6 for r in range(2)]
     for res in ranks:
         assert res['speed_samples'] == CUMULATIVE[-4:]  # SpeedMonitor's window (3 steps): real samples only
         assert len(res['logged']['throughput/samples_per_sec']) == 3
@@ -112,11 +127,11 @@ def test_callbacks_log_real_steps_and_agree(runs):
     assert _same_on_both([r['logged'] for r in ranks], 'lr-SGD/group0') == [0.1] * 6
     norms = _same_on_both([r['logged'] for r in ranks], 'l2_norm/grad/global')  # the synced gradient
     assert len(norms) == 6 and all(v > 0 for v in norms)
-    assert {'ba3-rank0.pt', 'ba6-rank0.pt'} <= set(ranks[0]['checkpoints'])  # ba3: rank 1 shadows it
+    assert {'ba3-rank0.pt', 'ba6-rank0.pt'} <= set(ranks[0]['checkpoints'])  # ba3: the short rank shadows it
     assert (ranks[0]['params'] - ranks[1]['params']).abs().max() == 0
 
 
-@pytest.mark.parametrize('name, stop', [('early_stopper', 4), ('threshold_stopper', 3)])
+@pytest.mark.parametrize('name, stop', [(n, 4) for n in expand(['early_stopper'], TRAIN)] + [('threshold_stopper', 3)])
 def test_stoppers_stop_every_rank_at_the_same_step(runs, name, stop):
     ranks = ok(runs, name)
     assert [r['batch'] for r in ranks] == [stop, stop]
@@ -124,12 +139,14 @@ def test_stoppers_stop_every_rank_at_the_same_step(runs, name, stop):
     _same_on_both([r['logged'] for r in ranks], 'metrics/eval/MeanLoss')
 
 
-def test_subset_options(runs):
-    ranks = ok(runs, 'subsets')  # 40/10 with 3 batches per epoch: 24 + 10 samples per epoch
+@pytest.mark.parametrize('name', expand(['subsets'], TRAIN))
+def test_subset_options(runs, name):
+    ranks = ok(runs, name)  # 40/10 with 3 batches per epoch: 24 + 10 samples per epoch
+    short = short_rank(TRAIN[name])  # rank 1, or rank 0 when rotated
     assert [(r['batch'], r['sample']) for r in ranks] == [(6, 68)] * 2
-    assert ranks[1]['shadow'] == [False, False, True] * 2
-    assert _same_on_both(ranks, 'eval_batches') == [3, 6]  # eval_interval 3ba: on rank 1's shadow steps
-    # eval_subset_num_batches=1: batch 4 of rank 0's 12 and rank 1's 3 samples; accuracy over 7 samples
+    assert ranks[short]['shadow'] == [False, False, True] * 2
+    assert _same_on_both(ranks, 'eval_batches') == [3, 6]  # eval_interval 3ba: on the short rank's shadow steps
+    # eval_subset_num_batches=1: batch 4 of one rank's 12 and the other's 3 samples; accuracy over 7 samples
     assert all(
         abs(v * 7 - round(v * 7)) < 1e-5
         for v in _same_on_both([r['logged'] for r in ranks], 'metrics/eval/MulticlassAccuracy')
@@ -150,10 +167,11 @@ def test_second_fit_without_spinning(runs):
     assert (ranks[0]['params'] - ranks[1]['params']).abs().max() == 0
 
 
-def test_generate_runs_on_every_rank_at_the_same_steps(runs):
-    ranks = ok(runs, 'generate')  # tiny GPT-2, shards 12/5, batch 4: rank 1 shadows steps 3 and 6
-    assert ranks[1]['shadow'] == [False, False, True] * 2
-    assert [r['generated_at'] for r in ranks] == [[3, 6]] * 2  # every 3 batches: on rank 1's shadow steps
+@pytest.mark.parametrize('name', expand(['generate'], GENERATE))
+def test_generate_runs_on_every_rank_at_the_same_steps(runs, name):
+    ranks = ok(runs, name)  # tiny GPT-2, shards 12/5, batch 4: rank 1 (rank 0 when rotated) shadows steps 3 and 6
+    assert ranks[short_rank(GENERATE[name])]['shadow'] == [False, False, True] * 2
+    assert [r['generated_at'] for r in ranks] == [[3, 6]] * 2  # every 3 batches: on the short rank's shadow steps
     assert [r['sample'] for r in ranks] == [34, 34]
 
 

@@ -158,6 +158,15 @@ def disarm_after_retry(ddp: DistributedDataParallel) -> None:
     meant not to sync, would all-reduce its gradients on this rank only. Every rank retries the
     step, so every rank resets (torch's own ``Reducer._reset_state``, which ``DistributedDataParallel``
     uses when its process group changes; its buckets are then rebuilt once, on every rank alike).
+
+    The rebuild lays the buckets out in rank 0's order of that step, which differs from the first
+    rebuild's when rank 0 shadows in one of them and not in the other (a shadow rank gives every
+    parameter at once, in index order; a real one in the order its gradients came). The reducer keeps
+    the bucket-to-parameter map of its first rebuild (``get_variables_for_bucket``'s cache, never
+    cleared), so ``GradBucket.parameters()`` can then name the parameters in the old order, and
+    :class:`~composer_join.shadow.shadow.DDPShadow`, which writes the reduced buckets through it, would
+    write them to the wrong parameters. After a reset, shadow microbatches therefore run on the template
+    (the reducer's own backward, which needs no map): :meth:`DDPWrapper.before_forward`.
     """
     reducer = getattr(ddp, 'reducer', None)
     if reducer is not None and hasattr(reducer, '_reset_state'):
@@ -262,6 +271,8 @@ class DDPWrapper(Wrapper):
             self._first_microbatch, step = False, int(state.timestamp.batch)
             if step == self._last_step and state.auto_microbatching:  # Composer retries this step
                 disarm_after_retry(state.model)
+                if self.mode == 'skip':  # the reducer's bucket-to-parameter map may be stale now (disarm_after_retry)
+                    self.mode = 'template'
             self._last_step = step
         self._sync.before_forward(state.model, plan, self._rank, samples)
         self._end_shadow(state)  # a microbatch that did not finish (e.g. an OOM retry) leaves no stand-in behind

@@ -7,11 +7,12 @@ trains at each step; the test checks that the ranks recorded exactly that assign
 replays it in one process with the gradient semantics (mean of the per-sample loss gradients over
 the step's samples, times ``A_t / W``) and compares the weights. One launch per world size.
 
-Which rank runs short must not matter (tests/rank_orders.py): every trained scenario but the three
-microbatching variants of which ``mb_multi`` stands for all (``mb_single``, ``mb_forced``) runs again
+Which rank runs short must not matter (tests/rank_orders.py): every scenario but two of the three
+microbatching variants (``mb_multi`` stands for ``mb_single`` and ``mb_forced`` too) runs again
 with its short (or empty) rank first, in the middle and last, as ``'<name>@<k>'`` (shards and the
 ranks without ``len()`` move together); the simulation and the replay read the rotated config, and
-the rank that holds the unsendable batch is the one the rotated config gives the long shard.
+the rank that holds the unsendable batch is the one the rotated config gives the long shard, and
+the failing rank is the one the rotated ``fail_at`` names.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ SCENARIOS: dict[str, dict] = {
         shards=[24, 24, 24, 0], batch_size=8, epochs=1, unsized=[3], microbatch=3, sync='multi_auto_sync'
     ),
 }
-ROTATED = [n for n in SCENARIOS if not n.startswith('fails_') and n not in ('mb_single', 'mb_forced')]
+ROTATED = [n for n in SCENARIOS if n not in ('mb_single', 'mb_forced')]
 BASE_NAMES = list(SCENARIOS)
 SCENARIOS = with_rotations(SCENARIOS, ROTATED)
 TRAINED = [n for n in expand(BASE_NAMES, SCENARIOS) if not n.startswith('fails_')]
@@ -309,22 +310,30 @@ def test_an_unsendable_batch_falls_back_to_shadowing_with_one_warning(runs, name
     assert per_rank[0]['reports'] == [] or sum(per_rank[0]['reports'][0]['received_batches']) == 0
 
 
-def test_a_dataloader_raising_mid_epoch_stops_every_rank(runs):
-    failing, other = runs['fails_mid_epoch']
+def failing_and_other(runs: dict, name: str) -> tuple[int, RankError, RankError]:
+    (rank,) = SCENARIOS[name]['fail_at']
+    return rank, runs[name][rank], runs[name][1 - rank]
+
+
+@pytest.mark.parametrize('rotation', ['', '@1'])
+def test_a_dataloader_raising_mid_epoch_stops_every_rank(runs, rotation):
+    rank, failing, other = failing_and_other(runs, 'fails_mid_epoch' + rotation)
     assert isinstance(failing, RankError) and failing.type == 'RuntimeError'
     assert 'disk read error at sample 36' in failing.message
     assert isinstance(other, RankError) and other.type == 'UnevenInputsError'
-    assert 'rank(s) [0] could not form batch 1' in other.message
-    failing, other = runs['fails_on_a_step_nobody_agreed_on']  # read at step 2: step 2 trains, step 3 stops all
+    assert f'rank(s) [{rank}] could not form batch 1' in other.message
+    # read at step 2: step 2 trains, step 3 stops all
+    rank, failing, other = failing_and_other(runs, 'fails_on_a_step_nobody_agreed_on' + rotation)
     assert isinstance(failing, RankError) and failing.type == 'RuntimeError'
     assert 'disk read error at sample 36' in failing.message
     assert isinstance(other, RankError) and other.type == 'UnevenInputsError'
-    assert 'rank(s) [0] could not form batch 3' in other.message
-    other, failing = runs['fails_at_the_start']  # while filling the buffer, before the epoch's level exchange
+    assert f'rank(s) [{rank}] could not form batch 3' in other.message
+    # while filling the buffer, before the epoch's level exchange
+    rank, failing, other = failing_and_other(runs, 'fails_at_the_start' + rotation)
     assert isinstance(failing, RankError) and failing.type == 'RuntimeError'
     assert 'disk read error at sample 3' in failing.message
     assert isinstance(other, RankError) and other.type == 'UnevenInputsError'
-    assert 'rank(s) [1] could not read the first batches of the epoch' in other.message
+    assert f'rank(s) [{rank}] could not read the first batches of the epoch' in other.message
 
 
 def test_a_mid_epoch_checkpoint_of_a_dataset_that_resumes_itself_stops_every_rank_clearly(runs):

@@ -2,7 +2,7 @@
 
 A scenario config gives its ranks' data per rank: lists indexed by rank (``shards``,
 ``eval_shards``, ``batch_sizes``, ``batch_plan``, ``layout``), dicts keyed by rank (``claimed_len``,
-``fail_at``), lists of ranks (``unsized`` when it is a list: the ranks without ``len()``; the
+``fail_at``, ``eval_fail_at``), lists of ranks (``unsized`` when it is a list: the ranks without ``len()``; the
 ``ranks`` of every ``oom`` rule, tests/scenarios_oom.py) and cut points (``cuts``: rank ``r`` gets
 ``perm[cuts[r]:cuts[r + 1]]``, tests/scenarios_resume.py). :func:`rotate` moves rank
 ``r``'s part of all of them to rank ``(r + k) % W`` at once, so a rotated scenario is the same
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 PER_RANK_LISTS = ('shards', 'eval_shards', 'batch_sizes', 'batch_plan', 'layout')
-PER_RANK_DICTS = ('claimed_len', 'fail_at')
+PER_RANK_DICTS = ('claimed_len', 'fail_at', 'eval_fail_at')
 
 
 def world_size(cfg: dict[str, Any]) -> int:

@@ -42,15 +42,15 @@ def train_batch_plan(cfg: dict) -> dict[str, Any]:
 
 
 def train_failing_eval(cfg: dict) -> dict[str, Any]:
-    """``rank_scenarios.train`` whose rank ``cfg['eval_fails_on']`` has an eval dataloader that raises at sample
-    ``cfg['eval_fail_at']``."""
+    """``rank_scenarios.train`` whose rank ``r`` has an eval dataloader that raises at sample ``cfg['eval_fail_at'][r]``
+    (a dict keyed by rank, so that tests/rank_orders.py rotates it)."""
     original = rank_scenarios.make_eval_loader
 
     def failing(cfg: dict, rank: int):
         loader = original(cfg, rank)
-        if rank != cfg['eval_fails_on']:
+        if rank not in cfg['eval_fail_at']:
             return loader
-        dataset = rank_scenarios.Misbehaving(loader.dataset.x, loader.dataset.y, fail_at=cfg['eval_fail_at'])
+        dataset = rank_scenarios.Misbehaving(loader.dataset.x, loader.dataset.y, fail_at=cfg['eval_fail_at'][rank])
         return DataLoader(dataset, batch_size=loader.batch_size)
 
     rank_scenarios.make_eval_loader = failing

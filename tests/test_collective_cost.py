@@ -6,6 +6,11 @@ calls and DDP's gradient bucket all-reduces), with and without UnevenJoin on eve
 need no agreement are also checked where skipping it could go wrong: batch sizes (and so microbatch
 counts) that differ between ranks on every step under ``multi_auto_sync``, and a dataloader that fails
 on a step nobody agreed on.
+
+Which rank runs short must not matter (tests/rank_orders.py): the varied-batch and the failing
+scenarios run again with their ranks swapped, as ``'<name>@1'`` (batch plans, failing ranks and
+claimed lengths move with their ranks; the even counted scenarios would not change). The expected
+failing rank, the shortest plan and the reference follow the rotated config.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import pytest
 
 import reference
 from harness import RankError, launch
+from rank_orders import base, expand, with_rotations
 from test_join_core import DIVIDE, NO_DIVIDE, TOL, ok
 from toy import shard
 
@@ -63,9 +69,12 @@ FAILING = {
 }
 FAILING_EVAL = {  # 5 eval batches per rank: batches 0 to 3 planned; rank 1 fails at batch 1 of the evaluation
     'eval_fails_at_step_1': dict(
-        shards=[16, 16], batch_size=8, epochs=1, join=DIVIDE, eval_shards=[20, 20], eval_fails_on=1, eval_fail_at=6
+        shards=[16, 16], batch_size=8, epochs=1, join=DIVIDE, eval_shards=[20, 20], eval_fail_at={1: 6}
     ),
 }
+VARIED = with_rotations(VARIED)
+FAILING = with_rotations(FAILING)
+FAILING_EVAL = with_rotations(FAILING_EVAL)
 AFTER = {'after_failure': dict(shards=[16, 16], batch_size=8, epochs=1, join=DIVIDE)}  # the process group still works
 
 
@@ -149,7 +158,8 @@ def steps_using_the_branch_only_where_no_sync_happens(plan: list[list[int]], mic
 def test_microbatch_counts_that_differ_on_every_step(runs, name):
     cfg = VARIED[name]
     if cfg.get('find_unused'):  # the case a sync on the last microbatch only could get wrong does occur
-        assert steps_using_the_branch_only_where_no_sync_happens(cfg['batch_plan'], cfg['microbatch']) == [0, 3, 4]
+        early = steps_using_the_branch_only_where_no_sync_happens(cfg['batch_plan'], cfg['microbatch'])
+        assert early == {'varied_unused': [0, 3, 4], 'varied_unused@1': [0, 5]}[name]  # rotated: other samples
     ref = reference.train(cfg, divide=cfg['join']['divide_by_initial_world_size'])
     per_rank = ok(runs, name)
     reference.assert_like_reference(name, per_rank, ref['params'], TOL)
@@ -159,37 +169,44 @@ def test_microbatch_counts_that_differ_on_every_step(runs, name):
         for report in res['reports']:
             assert report['real_samples'] == cfg['shards']
             assert report['real_batches'] == [len(p) for p in plan]
-            shortest = len(plan[0])  # stock Composer would drop the batches past it: their sizes are agreed
+            # stock Composer would drop the batches past the shortest plan: their sizes are agreed
+            shortest = min(len(p) for p in plan)
             assert [sizes[shortest - 1 :] for sizes in report['batch_sizes']] == [p[shortest - 1 :] for p in plan]
 
 
-@pytest.mark.parametrize(
-    'name, rank, step, cause',
-    [
-        ('fails_at_step_0', 1, 0, ('RuntimeError', 'disk read error at sample 3')),
-        ('fails_at_step_1', 1, 1, ('RuntimeError', 'disk read error at sample 12')),
-        ('fails_at_step_3', 0, 3, ('RuntimeError', 'disk read error at sample 26')),
+STEP_AND_CAUSE = {  # the rank that cannot form the batch is the one its config makes fail
+    'fails_at_step_0': (0, ('RuntimeError', 'disk read error at sample 3')),
+    'fails_at_step_1': (1, ('RuntimeError', 'disk read error at sample 12')),
+    'fails_at_step_3': (3, ('RuntimeError', 'disk read error at sample 26')),
+    'len_overstates': (
+        3,
         (
-            'len_overstates',
-            1,
-            3,
-            (
-                'UnevenInputsError',
-                'the dataloader of rank(s) [1] ran out after 3 batches in epoch 0, '
-                'fewer than its len() promised (this rank: len() 5)',
-            ),
+            'UnevenInputsError',
+            'the dataloader of rank(s) [{rank}] ran out after 3 batches in epoch 0, '
+            'fewer than its len() promised (this rank: len() 5)',
         ),
-        ('eval_fails_at_step_1', 1, 1, ('RuntimeError', 'disk read error at sample 6')),
-    ],
-)
-def test_a_rank_that_cannot_form_a_planned_batch_stops_every_rank(runs, name, rank, step, cause):
+    ),
+    'eval_fails_at_step_1': (1, ('RuntimeError', 'disk read error at sample 6')),
+}
+
+
+def failing_rank(cfg: dict) -> int:
+    (rank,) = cfg.get('fail_at') or cfg.get('claimed_len') or cfg['eval_fail_at']
+    return rank
+
+
+@pytest.mark.parametrize('name', expand(STEP_AND_CAUSE, {**FAILING, **FAILING_EVAL}))
+def test_a_rank_that_cannot_form_a_planned_batch_stops_every_rank(runs, name):
+    rank = failing_rank({**FAILING, **FAILING_EVAL}[name])
+    step, (kind, message) = STEP_AND_CAUSE[base(name)]
+    cause = (kind, message.format(rank=rank))
     per_rank = runs[name]
     assert all(isinstance(res, RankError) for res in per_rank), f'{name}: some rank did not stop: {per_rank}'
     assert (per_rank[rank].type, cause[1] in per_rank[rank].message) == (cause[0], True), per_rank[rank]
     other = per_rank[1 - rank]
     says = (
         f'rank(s) [{rank}] ran out after {step} batches'
-        if name == 'len_overstates'
+        if base(name) == 'len_overstates'
         else f'rank(s) [{rank}] could not form batch {step} of epoch '
     )
     assert other.type == 'UnevenInputsError' and says in other.message, other

@@ -14,6 +14,7 @@ def test_rotate_moves_every_per_rank_field_together():
         layout=['a', 'b', 'c'],
         claimed_len={1: 16},
         fail_at={0: 20},
+        eval_fail_at={2: 6},
         unsized=[0, 2],
         oom=[dict(ranks=[0, 2], steps=[3], point='loss', limit=1)],
         batch_size=8,
@@ -23,7 +24,7 @@ def test_rotate_moves_every_per_rank_field_together():
     assert (
         out['batch_sizes'] == [2, 4, 3] and out['batch_plan'] == [[], [8, 8], [5]] and out['layout'] == ['c', 'a', 'b']
     )
-    assert out['claimed_len'] == {2: 16} and out['fail_at'] == {1: 20}
+    assert out['claimed_len'] == {2: 16} and out['fail_at'] == {1: 20} and out['eval_fail_at'] == {0: 6}
     assert out['unsized'] == [0, 1]
     assert out['oom'] == [dict(ranks=[0, 1], steps=[3], point='loss', limit=1)]
     assert out['batch_size'] == 8 and cfg['shards'] == [40, 21, 0]  # the rest as it was, the original untouched

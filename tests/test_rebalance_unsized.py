@@ -6,6 +6,13 @@ the give/receive rule step by step from the shard sizes alone, which gives which
 trains at each step; the test checks that the ranks recorded exactly that assignment, then
 replays it in one process with the gradient semantics (mean of the per-sample loss gradients over
 the step's samples, times ``A_t / W``) and compares the weights. One launch per world size.
+
+Which rank runs short must not matter (tests/rank_orders.py): every scenario but two of the three
+microbatching variants (``mb_multi`` stands for ``mb_single`` and ``mb_forced`` too) runs again
+with its short (or empty) rank first, in the middle and last, as ``'<name>@<k>'`` (shards and the
+ranks without ``len()`` move together); the simulation and the replay read the rotated config, and
+the rank that holds the unsendable batch is the one the rotated config gives the long shard, and
+the failing rank is the one the rotated ``fail_at`` names.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from hypothesis import strategies as st
 
 import reference
 from harness import RankError, launch
+from rank_orders import base, expand, with_rotations
 from test_rebalance import assert_report_matches
 from toy import make_module, per_sample_loss, shard
 
@@ -55,7 +63,10 @@ SCENARIOS: dict[str, dict] = {
         shards=[24, 24, 24, 0], batch_size=8, epochs=1, unsized=[3], microbatch=3, sync='multi_auto_sync'
     ),
 }
-TRAINED = [n for n in SCENARIOS if not n.startswith('fails_')]
+ROTATED = [n for n in SCENARIOS if n not in ('mb_single', 'mb_forced')]
+BASE_NAMES = list(SCENARIOS)
+SCENARIOS = with_rotations(SCENARIOS, ROTATED)
+TRAINED = [n for n in expand(BASE_NAMES, SCENARIOS) if not n.startswith('fails_')]
 TEXT_OVERRIDES = ['data.pydoc_text.fraction=0.1', 'algorithms.uneven_join.mode=rebalance']
 RESUME = dict(shards=[56, 16], batch_size=8, epochs=2, resume_at=[3, 8])  # steps 2-4 and 7-9 are the tails
 RESUMES_ITSELF = dict(shards=[40, 16], batch_size=8, epochs=1, resumes_itself=True)  # a dataset with state_dict
@@ -256,7 +267,7 @@ def test_rebalancing_keeps_every_rank_busy_with_a_bounded_read_ahead(runs):
         per_rank = ok(runs, name)
         assert all(res['loader'] == 'ReadAheadRebalancer' for res in per_rank)
         assert all(res['peak_held'] <= READ_AHEAD for res in per_rank), name
-        if name == 'unsendable_falls_back':
+        if base(name) == 'unsendable_falls_back':
             continue
         assert not any('falling back' in line for line in per_rank[0]['log_lines']), name
         total, world = sum(counts_of(cfg)), len(cfg['shards'])
@@ -279,7 +290,7 @@ def test_steps_where_every_buffer_is_full_exchange_no_rows(runs):
 
 
 def test_report_counts_own_received_given_and_shadow_steps(runs):
-    for name in ('all_unsized_2_1', 'mixed_empty_mid_batch_adam', 'three_mixed_empty'):
+    for name in expand(['all_unsized_2_1', 'mixed_empty_mid_batch_adam', 'three_mixed_empty'], SCENARIOS):
         cfg = SCENARIOS[name]
         per_rank = ok(runs, name)
         steps = observed(cfg, per_rank)[0]
@@ -289,29 +300,40 @@ def test_report_counts_own_received_given_and_shadow_steps(runs):
             assert_report_matches(res['reports'][0], steps, world)
 
 
-def test_an_unsendable_batch_falls_back_to_shadowing_with_one_warning(runs):
-    per_rank = ok(runs, 'unsendable_falls_back')
+@pytest.mark.parametrize('name', expand(['unsendable_falls_back'], SCENARIOS))
+def test_an_unsendable_batch_falls_back_to_shadowing_with_one_warning(runs, name):
+    shards = SCENARIOS[name]['shards']
+    donor = shards.index(max(shards))  # the long rank: the one that would give a batch
+    per_rank = ok(runs, name)
     warnings = [line for line in per_rank[0]['log_lines'] if 'falling back to shadowing' in line]
-    assert len(warnings) == 1 and 'rank(s) [0] hold a batch that cannot be sent' in warnings[0]
+    assert len(warnings) == 1 and f'rank(s) [{donor}] hold a batch that cannot be sent' in warnings[0]
     assert per_rank[0]['reports'] == [] or sum(per_rank[0]['reports'][0]['received_batches']) == 0
 
 
-def test_a_dataloader_raising_mid_epoch_stops_every_rank(runs):
-    failing, other = runs['fails_mid_epoch']
+def failing_and_other(runs: dict, name: str) -> tuple[int, RankError, RankError]:
+    (rank,) = SCENARIOS[name]['fail_at']
+    return rank, runs[name][rank], runs[name][1 - rank]
+
+
+@pytest.mark.parametrize('rotation', ['', '@1'])
+def test_a_dataloader_raising_mid_epoch_stops_every_rank(runs, rotation):
+    rank, failing, other = failing_and_other(runs, 'fails_mid_epoch' + rotation)
     assert isinstance(failing, RankError) and failing.type == 'RuntimeError'
     assert 'disk read error at sample 36' in failing.message
     assert isinstance(other, RankError) and other.type == 'UnevenInputsError'
-    assert 'rank(s) [0] could not form batch 1' in other.message
-    failing, other = runs['fails_on_a_step_nobody_agreed_on']  # read at step 2: step 2 trains, step 3 stops all
+    assert f'rank(s) [{rank}] could not form batch 1' in other.message
+    # read at step 2: step 2 trains, step 3 stops all
+    rank, failing, other = failing_and_other(runs, 'fails_on_a_step_nobody_agreed_on' + rotation)
     assert isinstance(failing, RankError) and failing.type == 'RuntimeError'
     assert 'disk read error at sample 36' in failing.message
     assert isinstance(other, RankError) and other.type == 'UnevenInputsError'
-    assert 'rank(s) [0] could not form batch 3' in other.message
-    other, failing = runs['fails_at_the_start']  # while filling the buffer, before the epoch's level exchange
+    assert f'rank(s) [{rank}] could not form batch 3' in other.message
+    # while filling the buffer, before the epoch's level exchange
+    rank, failing, other = failing_and_other(runs, 'fails_at_the_start' + rotation)
     assert isinstance(failing, RankError) and failing.type == 'RuntimeError'
     assert 'disk read error at sample 3' in failing.message
     assert isinstance(other, RankError) and other.type == 'UnevenInputsError'
-    assert 'rank(s) [1] could not read the first batches of the epoch' in other.message
+    assert f'rank(s) [{rank}] could not read the first batches of the epoch' in other.message
 
 
 def test_a_mid_epoch_checkpoint_of_a_dataset_that_resumes_itself_stops_every_rank_clearly(runs):

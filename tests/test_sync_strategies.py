@@ -3,6 +3,11 @@
 Ranks split a step into different numbers of microbatches whenever their batches differ in size (a
 partial last batch, a shadow batch). Each scenario is compared with the single-process reference,
 and the collectives of each kind of step are counted and compared with stock Composer.
+
+Which rank runs short must not matter (tests/rank_orders.py): every scenario, and the counted uneven
+and shadow scenarios under every strategy (their counts must not depend on which rank shadows), runs
+again with its short (or empty) rank first, in the middle and last, as ``'<name>@<k>'``. The rotations
+join the launch of their world size.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import pytest
 
 import reference
 from harness import launch
+from rank_orders import expand, with_rotations
 from test_join_core import DIVIDE, NO_DIVIDE, TOL, ok
 
 STRATEGIES = ['single_auto_sync', 'multi_auto_sync', 'forced_sync', None]  # None: Composer's default
@@ -39,16 +45,22 @@ for sync in STRATEGIES[:3]:
     COUNTED[f'count_shadow_{sync}'] = dict(common, shards=[24, 24, 16], join=DIVIDE)
     COUNTED[f'count_stock_{sync}'] = dict(common, shards=[16, 16, 16], join=None)
 
+BASE_SCENARIOS = list(SCENARIOS)
+SCENARIOS = with_rotations(SCENARIOS)
+COUNTED = with_rotations(COUNTED, [n for n in COUNTED if not n.startswith('count_stock_')])
+ROTATIONS = ['', '@1', '@2']  # the counted uneven and shadow scenarios' rotations (both have k = 1 and 2)
+
 
 @pytest.fixture(scope='module')
 def runs() -> dict:
     three = {**{k: v for k, v in SCENARIOS.items() if len(v['shards']) == 3}, **COUNTED}
     results = launch(3, [(name, 'train', {'cfg': cfg}) for name, cfg in three.items()], timeout=480)
-    results.update(launch(4, [('four_ranks_multi', 'train', {'cfg': SCENARIOS['four_ranks_multi']})], timeout=240))
+    four = [(name, 'train', {'cfg': cfg}) for name, cfg in SCENARIOS.items() if len(cfg['shards']) == 4]
+    results.update(launch(4, four, timeout=240))
     return results
 
 
-@pytest.mark.parametrize('name', list(SCENARIOS))
+@pytest.mark.parametrize('name', expand(BASE_SCENARIOS, SCENARIOS))
 def test_gradient_equals_reference_and_replicas_stay_identical(runs, name):
     cfg = SCENARIOS[name]
     ref = reference.train(cfg, divide=cfg['join']['divide_by_initial_world_size'])
@@ -74,12 +86,14 @@ def without(c: dict[str, int], *kinds: str) -> dict[str, int]:
     return {k: v for k, v in c.items() if k not in kinds}
 
 
+@pytest.mark.parametrize('rotation', ROTATIONS)
 @pytest.mark.parametrize('sync', STRATEGIES[:3])
-def test_collectives_per_step(runs, sync):
+def test_collectives_per_step(runs, sync, rotation):
     stock = counts(runs, f'count_stock_{sync}', 1)
-    even = counts(runs, f'count_uneven_{sync}', 1)
-    uneven = counts(runs, f'count_uneven_{sync}', 2)
-    before_shadow, shadow = counts(runs, f'count_shadow_{sync}', 1), counts(runs, f'count_shadow_{sync}', 2)
+    even = counts(runs, f'count_uneven_{sync}{rotation}', 1)
+    uneven = counts(runs, f'count_uneven_{sync}{rotation}', 2)
+    shadowing = f'count_shadow_{sync}{rotation}'
+    before_shadow, shadow = counts(runs, shadowing, 1), counts(runs, shadowing, 2)
     # A step planned from the lengths issues stock Composer's collectives and no more.
     assert without(even, 'ddp_grad_bucket') == without(stock, 'ddp_grad_bucket')
     # An agreed step adds one small all-reduce: the first in its own window, a shadow step's in the one before.

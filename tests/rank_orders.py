@@ -6,7 +6,8 @@ A scenario config gives its ranks' data per rank: lists indexed by rank (``shard
 ``ranks`` of every ``oom`` rule, tests/scenarios_oom.py) and cut points (``cuts``: rank ``r`` gets
 ``perm[cuts[r]:cuts[r + 1]]``, tests/scenarios_resume.py); a config without ``shards`` or ``cuts`` may
 give its ranks' batches instead (``formats``: rank ``r`` yields one batch per entry of ``formats[r]``,
-with ``claimed``, a list by rank, its ``len()``; tests/scenarios_badinput.py). :func:`rotate` moves rank
+with ``claimed``, a list by rank, its ``len()``; tests/scenarios_badinput.py), and ``per_rank`` is a
+list by rank of ``UnevenJoin`` settings (tests/scenarios_ranks.py:with_settings). :func:`rotate` moves rank
 ``r``'s part of all of them to rank ``(r + k) % W`` at once, so a rotated scenario is the same
 scenario with other ranks in each role; its reference follows, since every reference reads the
 same config (rank ``r`` reads ``shard(r, shards[r])``). :func:`with_rotations` adds, per scenario,
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Optional
 
-PER_RANK_LISTS = ('shards', 'eval_shards', 'batch_sizes', 'batch_plan', 'layout', 'formats', 'claimed')
+PER_RANK_LISTS = ('shards', 'eval_shards', 'batch_sizes', 'batch_plan', 'layout', 'formats', 'claimed', 'per_rank')
 PER_RANK_DICTS = ('claimed_len', 'fail_at')
 
 

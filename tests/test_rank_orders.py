@@ -36,6 +36,8 @@ def test_batch_formats_and_claimed_lengths_move_with_their_ranks():
     assert out['formats'] == [['dict'], [], ['tuple'] * 3] and out['claimed'] == [5, None, None]
     assert rotations(cfg) == [1, 2]  # the rank without batches to the middle and the first place
     assert rotations(dict(formats=[['tuple'], ['tuple']])) == []  # nothing would change
+    settings = dict(per_rank=[{}, {'mode': 'rebalance'}, {}], shards=[16, 8, 4])
+    assert rotate(settings, 1) == dict(per_rank=[{}, {}, {'mode': 'rebalance'}], shards=[4, 16, 8])
 
 
 def test_cut_points_move_with_their_ranks():

@@ -2,9 +2,12 @@
 
 A scenario config gives its ranks' data per rank: lists indexed by rank (``shards``,
 ``eval_shards``, ``batch_sizes``, ``batch_plan``, ``layout``), dicts keyed by rank (``claimed_len``,
-``fail_at``, ``eval_fail_at``), lists of ranks (``unsized`` when it is a list: the ranks without ``len()``; the
-``ranks`` of every ``oom`` rule, tests/scenarios_oom.py) and cut points (``cuts``: rank ``r`` gets
-``perm[cuts[r]:cuts[r + 1]]``, tests/scenarios_resume.py). :func:`rotate` moves rank
+``fail_at``, ``eval_fail_at``), lists of ranks (``unsized`` when it is a list: the ranks without
+``len()``; the ``ranks`` of every ``oom`` rule, tests/scenarios_oom.py) and cut points (``cuts``: rank ``r`` gets
+``perm[cuts[r]:cuts[r + 1]]``, tests/scenarios_resume.py); a config without ``shards`` or ``cuts`` may
+give its ranks' batches instead (``formats``: rank ``r`` yields one batch per entry of ``formats[r]``,
+with ``claimed``, a list by rank, its ``len()``; tests/scenarios_badinput.py), and ``per_rank`` is a
+list by rank of ``UnevenJoin`` settings (tests/scenarios_ranks.py:with_settings). :func:`rotate` moves rank
 ``r``'s part of all of them to rank ``(r + k) % W`` at once, so a rotated scenario is the same
 scenario with other ranks in each role; its reference follows, since every reference reads the
 same config (rank ``r`` reads ``shard(r, shards[r])``). :func:`with_rotations` adds, per scenario,
@@ -18,12 +21,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Optional
 
-PER_RANK_LISTS = ('shards', 'eval_shards', 'batch_sizes', 'batch_plan', 'layout')
+PER_RANK_LISTS = ('shards', 'eval_shards', 'batch_sizes', 'batch_plan', 'layout', 'formats', 'claimed', 'per_rank')
 PER_RANK_DICTS = ('claimed_len', 'fail_at', 'eval_fail_at')
 
 
 def world_size(cfg: dict[str, Any]) -> int:
-    return len(cfg['shards']) if 'shards' in cfg else len(cfg['cuts']) - 1
+    return len(_train_sizes(cfg))
+
+
+def _train_sizes(cfg: dict[str, Any]) -> list[int]:
+    """Per rank, its train samples (``shards``, ``cuts``) or its batches (``formats``)."""
+    if 'shards' in cfg:
+        return list(cfg['shards'])
+    if 'cuts' in cfg:
+        return [b - a for a, b in zip(cfg['cuts'], cfg['cuts'][1:])]
+    return [len(f) for f in cfg['formats']]
 
 
 def rotate(cfg: dict[str, Any], k: int) -> dict[str, Any]:
@@ -51,7 +63,7 @@ def _shortest(cfg: dict[str, Any]) -> int:
     """The rank with the least data: fewest train samples, then fewest eval samples (the first such rank)."""
     w = world_size(cfg)
     evals = cfg.get('eval_shards') or [0] * w
-    train = cfg['shards'] if 'shards' in cfg else [b - a for a, b in zip(cfg['cuts'], cfg['cuts'][1:])]
+    train = _train_sizes(cfg)
     sizes = [(n, e) for n, e in zip(train, evals)]
     return sizes.index(min(sizes))
 

@@ -1,7 +1,9 @@
 """Bad input stops every rank with a clear error at the same step, never a hang or silently wrong training.
 
 Two ranks, one process group for every scenario. The scenarios catch ``UnevenInputsError`` and
-return its message, so each test checks what every rank was told.
+return its message, so each test checks what every rank was told. Every dataloader scenario also
+runs with its ranks swapped (``'<name>@1'``), so the shadowing, short or misbehaving rank is rank 0
+once and the last rank once; the expected messages are computed from the (rotated) config.
 """
 
 from __future__ import annotations
@@ -10,26 +12,35 @@ import pytest
 
 from composer_join import is_shadow_step
 from harness import RankError, launch
+from rank_orders import base, expand, with_rotations
 
-CALLS = [
+TRAIN_ON: dict[str, dict] = {
     # rank 1 runs out after one step and shadows with its dict template while rank 0 yields tuples
-    ('differs_between_ranks', 'scenarios_badinput:train_on', dict(formats=[['tuple'] * 3, ['dict']])),
+    'differs_between_ranks': dict(formats=[['tuple'] * 3, ['dict']]),
     # rank 0's batches gain a key at step 2, while rank 1 shadows with the structure of its step 0
-    ('changes_between_steps', 'scenarios_badinput:train_on', dict(formats=[['dict', 'dict', 'dict+mask'], ['dict']])),
+    'changes_between_steps': dict(formats=[['dict', 'dict', 'dict+mask'], ['dict']]),
     # rank 0's labels change dtype at step 1, while rank 1 (an empty shard) shadows after rank 0's step 0
-    ('dtype_changes', 'scenarios_badinput:train_on', dict(formats=[['tuple', 'float64'], []])),
+    'dtype_changes': dict(formats=[['tuple', 'float64'], []]),
     # different structures on ranks that never shadow are Composer's business: allowed, as without UnevenJoin
-    ('differs_without_shadow', 'scenarios_badinput:train_on', dict(formats=[['tuple'] * 2, ['dict'] * 2])),
+    'differs_without_shadow': dict(formats=[['tuple'] * 2, ['dict'] * 2]),
     # len() says 5 batches, the dataloader yields 1 (a shorter rank) or 2 (the longest rank)
-    ('len_overstates', 'scenarios_badinput:train_on', dict(formats=[['tuple'] * 3, ['tuple']], claimed=[None, 5])),
-    (
-        'len_overstates_longest',
-        'scenarios_badinput:train_on',
-        dict(formats=[['tuple'] * 2, ['tuple'] * 2], claimed=[5, None]),
-    ),
+    'len_overstates': dict(formats=[['tuple'] * 3, ['tuple']], claimed=[None, 5]),
+    'len_overstates_longest': dict(formats=[['tuple'] * 2, ['tuple'] * 2], claimed=[5, None]),
+}
+# which rank shadows, runs out or misbehaves must not matter: every scenario again with its ranks swapped
+# (``'<name>@1'``, tests/rank_orders.py: ``formats`` and ``claimed`` together), in the same launch
+TRAIN_ON = with_rotations(TRAIN_ON)
+CALLS = [(name, 'scenarios_badinput:train_on', cfg) for name, cfg in TRAIN_ON.items()] + [
     ('wrong_type', 'scenarios_badinput:wrong_argument', dict(kwargs={'divide_by_initial_world_size': 'yes'})),
     ('wrong_type_int', 'scenarios_badinput:wrong_argument', dict(kwargs={'enable': 1})),
 ]
+# the structure UnevenJoin describes for a batch of each format (tests/scenarios_badinput.py:batch)
+STRUCTURE = {
+    'tuple': 'tuple(float32[2d], int64[1d])',
+    'dict': 'dict{x: float32[2d], y: int64[1d]}',
+    'dict+mask': 'dict{mask: float32[1d], x: float32[2d], y: int64[1d]}',
+    'float64': 'tuple(float32[2d], int32[1d])',
+}
 
 
 @pytest.fixture(scope='module')
@@ -44,39 +55,57 @@ def errors(runs: dict, name: str) -> list[str]:
     return [r['error'] for r in per_rank]
 
 
-def test_batch_structure_that_differs_between_ranks_where_a_rank_shadows(runs):
-    for message in errors(runs, 'differs_between_ranks'):
-        assert 'at step 1 of epoch 0 rank(s) [1] shadow' in message
-        assert 'rank 0: tuple(float32[2d], int64[1d]); rank 1: dict{x: float32[2d], y: int64[1d]}' in message
+def shadowing(cfg: dict, step: int) -> list[int]:
+    """The ranks out of batches at ``step``."""
+    return [r for r, f in enumerate(cfg['formats']) if len(f) <= step]
+
+
+def structures(cfg: dict, step: int) -> str:
+    """Every rank's batch structure at ``step``, as the error lists them: a shadowing rank's is its template,
+    the structure of its own step 0, or, for a rank without batches, of the lowest rank with data's step 0."""
+    formats = cfg['formats']
+    first = next(f[0] for f in formats if f)
+    described = [STRUCTURE[f[step] if step < len(f) else f[0] if f else first] for f in formats]
+    return '; '.join(f'rank {r}: {d}' for r, d in enumerate(described))
+
+
+@pytest.mark.parametrize('name', expand(['differs_between_ranks'], TRAIN_ON))
+def test_batch_structure_that_differs_between_ranks_where_a_rank_shadows(runs, name):
+    cfg = TRAIN_ON[name]
+    for message in errors(runs, name):
+        assert f'at step 1 of epoch 0 rank(s) {shadowing(cfg, 1)} shadow' in message
+        assert structures(cfg, 1) in message, message
         assert "make every rank's dataloader yield one structure at every step" in message
-    assert [r['batch'] for r in runs['differs_between_ranks']] == [1, 1]  # stopped before training step 1
+    assert [r['batch'] for r in runs[name]] == [1, 1]  # stopped before training step 1
 
 
-def test_batch_structure_that_changes_between_steps(runs):
-    for message in errors(runs, 'changes_between_steps'):
-        assert 'at step 2 of epoch 0 rank(s) [1] shadow' in message
-        assert (
-            'rank 0: dict{mask: float32[1d], x: float32[2d], y: int64[1d]}; rank 1: dict{x: float32[2d], y: '
-            'int64[1d]}' in message
-        )
-    for message in errors(runs, 'dtype_changes'):
-        assert 'at step 1 of epoch 0 rank(s) [1] shadow' in message
-        assert 'rank 0: tuple(float32[2d], int32[1d]); rank 1: tuple(float32[2d], int64[1d])' in message
+@pytest.mark.parametrize('name', expand(['changes_between_steps', 'dtype_changes'], TRAIN_ON))
+def test_batch_structure_that_changes_between_steps(runs, name):
+    cfg = TRAIN_ON[name]
+    step = 2 if base(name) == 'changes_between_steps' else 1
+    for message in errors(runs, name):
+        assert f'at step {step} of epoch 0 rank(s) {shadowing(cfg, step)} shadow' in message
+        assert structures(cfg, step) in message, message
 
 
-def test_structures_may_differ_where_no_rank_shadows(runs):
-    for res in runs['differs_without_shadow']:
+@pytest.mark.parametrize('name', expand(['differs_without_shadow'], TRAIN_ON))
+def test_structures_may_differ_where_no_rank_shadows(runs, name):
+    for res in runs[name]:
         assert res['error'] is None and res['sample'] == 16
 
 
-def test_a_len_that_overstates_is_an_error_on_every_rank(runs):
-    for message in errors(runs, 'len_overstates'):
+@pytest.mark.parametrize('name', expand(['len_overstates', 'len_overstates_longest'], TRAIN_ON))
+def test_a_len_that_overstates_is_an_error_on_every_rank(runs, name):
+    cfg = TRAIN_ON[name]
+    (rank,) = [r for r, n in enumerate(cfg['claimed']) if n is not None]
+    yielded = len(cfg['formats'][rank])
+    for message in errors(runs, name):
         assert (
-            'the dataloader of rank(s) [1] ran out after 1 batches in epoch 0, fewer than its len() promised' in message
-        )
-    for message in errors(runs, 'len_overstates_longest'):
-        assert 'rank(s) [0] ran out after 2 batches' in message
-    assert [r['batch'] for r in runs['len_overstates']] == [1, 1]
+            f'the dataloader of rank(s) [{rank}] ran out after {yielded} batches in epoch 0, fewer than its len() '
+            'promised' in message
+        ), message
+    if base(name) == 'len_overstates':
+        assert [r['batch'] for r in runs[name]] == [1, 1]
 
 
 def test_arguments_of_the_wrong_type_are_refused_on_every_rank(runs):

@@ -21,6 +21,13 @@ first agreement fail at once (gloo: that rank aborts), and the UnevenJoin ranks 
 the user's ``DataSpec`` (Composer's default cannot count them), under DDP and FSDP2, and match the
 single-process reference; where an FSDP batch splits into more microbatches than counted, every
 rank stops at the same step.
+
+Which rank is short or differs must not matter (tests/rank_orders.py, ``'<name>@<k>'``, in the same
+launch): ``rank0_short`` also with its short rank in the middle and last; the settings ``mode`` and
+``enable`` also with the odd rank first, in the middle and last (``throw_and_divide`` has it first and
+last already); ``records_ddp`` also with its empty shard first and in the middle. The others differ from
+these in the wrapper, the batch sizes or the format only (suite time); ``strings_ddp`` has its short
+rank last, ``records_fsdp2`` in the middle.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch
 
 import reference
 from harness import RankError, launch
+from rank_orders import expand, with_rotations
 
 TOL = 1e-6
 WORLD = 3
@@ -61,15 +69,20 @@ RESUME: dict[str, dict] = {
         resume_at=[4],
     ),
 }
+RESUME = with_rotations(RESUME, ['rank0_short'])
 
 
 SHARDS = [16, 8, 4]
-SETTINGS: dict[str, list] = {  # per rank: UnevenJoin(**kwargs)
-    'mode': [{}, {'mode': 'rebalance'}, {}],
-    'throw_and_divide': [{'divide_by_initial_world_size': False}, {}, {'throw_on_early_termination': True}],
-    'enable': [{}, {}, {'enable': False}],
-    'all_disabled': [{'enable': False}] * 3,  # the same everywhere: stock Composer, no error
+SETTINGS: dict[str, dict] = {  # per_rank: UnevenJoin(**kwargs) on each rank
+    'mode': dict(per_rank=[{}, {'mode': 'rebalance'}, {}], shards=SHARDS),
+    'throw_and_divide': dict(
+        per_rank=[{'divide_by_initial_world_size': False}, {}, {'throw_on_early_termination': True}], shards=SHARDS
+    ),
+    'enable': dict(per_rank=[{}, {}, {'enable': False}], shards=SHARDS),
+    'all_disabled': dict(per_rank=[{'enable': False}] * 3, shards=SHARDS),  # the same everywhere: stock Composer
 }
+SETTINGS = with_rotations(SETTINGS, ['mode', 'enable'])
+DEFAULTS = {'mode': 'shadow', 'throw_on_early_termination': False, 'divide_by_initial_world_size': True, 'enable': True}
 
 LISTS: dict[str, dict] = {
     # records (one dict per sample) split into pairs by a custom split_batch, an empty shard, multi_auto_sync
@@ -97,6 +110,7 @@ LISTS: dict[str, dict] = {
         expect_error=True,
     ),
 }
+LISTS = with_rotations(LISTS, ['records_ddp'])
 
 
 @pytest.fixture(scope='module')
@@ -105,10 +119,7 @@ def runs(tmp_path_factory) -> dict:
         (name, 'scenarios_resume:resume_cases', dict(cfg=cfg, folder=str(tmp_path_factory.mktemp(name))))
         for name, cfg in RESUME.items()
     ]
-    calls += [
-        (name, 'scenarios_ranks:with_settings', dict(per_rank=per_rank, shards=SHARDS))
-        for name, per_rank in SETTINGS.items()
-    ]
+    calls += [(name, 'scenarios_ranks:with_settings', cfg) for name, cfg in SETTINGS.items()]
     calls += [(name, 'scenarios_ranks:train_lists', dict(cfg=cfg)) for name, cfg in LISTS.items()]
     return launch(WORLD, calls, timeout=480)
 
@@ -135,14 +146,14 @@ def test_each_rank_resumes_its_own_dataset_where_it_was(runs, name):
             assert run['reports'] == full['reports'], f'{name}@{at}: rank {rank}'
 
 
-@pytest.mark.parametrize('name', ['rank0_short', 'batch_sizes', 'rebalance'])
+@pytest.mark.parametrize('name', expand(['rank0_short', 'batch_sizes', 'rebalance'], RESUME))
 def test_the_uninterrupted_run_trains_every_sample_once_per_epoch(runs, name):
     cfg = RESUME[name]
     trained = sorted(i for res in ok(runs, name) for ids in res['full']['ids'].values() for i in ids)
     assert trained == sorted([r * 1000 + i for r, n in enumerate(cfg['shards']) for i in range(n)] * cfg['epochs'])
 
 
-@pytest.mark.parametrize('name', ['rank0_short', 'batch_sizes', 'fsdp2_sharded'])
+@pytest.mark.parametrize('name', expand(['rank0_short', 'batch_sizes', 'fsdp2_sharded'], RESUME))
 def test_the_uninterrupted_run_matches_the_reference(runs, name):
     cfg = dict(RESUME[name])
     if 'batch_sizes' in cfg:
@@ -158,21 +169,41 @@ def test_the_uninterrupted_run_matches_the_reference(runs, name):
 # -- settings ---------------------------------------------------------------------------------------
 
 
-def test_settings_that_differ_between_ranks_stop_every_rank_before_the_first_step(runs):
-    expected = {
-        'mode': ["mode='shadow' on rank(s) [0, 2], mode='rebalance' on rank(s) [1]"],
-        'throw_and_divide': [
-            'throw_on_early_termination=False on rank(s) [0, 1], throw_on_early_termination=True on rank(s) [2]',
-            'divide_by_initial_world_size=False on rank(s) [0], divide_by_initial_world_size=True on rank(s) [1, 2]',
-        ],
-        'enable': ['enable=True on rank(s) [0, 1], enable=False on rank(s) [2]'],
-    }
-    for name, parts in expected.items():
-        for rank, res in enumerate(ok(runs, name)):
-            assert res['error'].startswith('UnevenJoin is configured differently on different ranks: '), (name, res)
-            for part in parts:
-                assert part in res['error'], (name, rank, res['error'])
-            assert res['batch'] == 0, f'{name}: rank {rank} trained {res["batch"]} steps'
+def differing(per_rank: list[dict]) -> list[str]:
+    """Per setting that differs between ranks, ``'<key>=<value> on rank(s) [...], ...'``, values in order of first rank."""
+    parts = []
+    for key, default in DEFAULTS.items():
+        holders: dict = {}
+        for rank, settings in enumerate(per_rank):
+            holders.setdefault(settings.get(key, default), []).append(rank)
+        if len(holders) > 1:
+            parts.append(', '.join(f'{key}={value!r} on rank(s) {ranks}' for value, ranks in holders.items()))
+    return parts
+
+
+def test_the_expected_setting_messages_are_the_measured_ones():  # the helper above, on the unrotated scenarios
+    assert differing(SETTINGS['mode']['per_rank']) == [
+        "mode='shadow' on rank(s) [0, 2], mode='rebalance' on rank(s) [1]"
+    ]
+    assert differing(SETTINGS['throw_and_divide']['per_rank']) == [
+        'throw_on_early_termination=False on rank(s) [0, 1], throw_on_early_termination=True on rank(s) [2]',
+        'divide_by_initial_world_size=False on rank(s) [0], divide_by_initial_world_size=True on rank(s) [1, 2]',
+    ]
+    assert differing(SETTINGS['enable']['per_rank']) == ['enable=True on rank(s) [0, 1], enable=False on rank(s) [2]']
+
+
+@pytest.mark.parametrize('name', expand(['mode', 'throw_and_divide', 'enable'], SETTINGS))
+def test_settings_that_differ_between_ranks_stop_every_rank_before_the_first_step(runs, name):
+    parts = differing(SETTINGS[name]['per_rank'])
+    assert parts
+    for rank, res in enumerate(ok(runs, name)):
+        assert res['error'].startswith('UnevenJoin is configured differently on different ranks: '), (name, res)
+        for part in parts:
+            assert part in res['error'], (name, rank, res['error'])
+        assert res['batch'] == 0, f'{name}: rank {rank} trained {res["batch"]} steps'
+
+
+def test_a_setting_that_is_the_same_everywhere_is_no_error(runs):
     for res in ok(runs, 'all_disabled'):  # disabled everywhere: Composer as without it (it stops at the shortest)
         assert res['error'] is None and res['batch'] == 1
 
@@ -196,7 +227,7 @@ def test_a_rank_without_uneven_join_fails_at_once_with_a_clear_message_on_the_ot
 # -- list batches, custom DataSpecs -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('name', ['records_ddp', 'strings_ddp', 'records_fsdp2'])
+@pytest.mark.parametrize('name', expand(['records_ddp', 'strings_ddp', 'records_fsdp2'], LISTS))
 def test_list_batches_shadow_and_match_the_reference(runs, name):
     cfg = LISTS[name]
     ref = reference.train(cfg)
@@ -208,12 +239,20 @@ def test_list_batches_shadow_and_match_the_reference(runs, name):
         assert res['reports'][0]['real_samples'] == cfg['shards']
 
 
-def test_microbatches_are_the_dataspecs_split(runs):
-    # 'pairs' splits 4 samples into 2 microbatches, a shadow batch into 1 (records_ddp, multi_auto_sync)
-    per_rank = ok(runs, 'records_ddp')
-    assert per_rank[0]['microbatches'] == [2] * 10
-    assert per_rank[1]['microbatches'] == [2, 2, 1, 1, 1] * 2  # 9 = 4 + 4 + 1, then shadow steps
-    assert per_rank[2]['microbatches'] == [1] * 10  # an empty shard: shadow steps only
+@pytest.mark.parametrize('name', expand(['records_ddp'], LISTS))
+def test_microbatches_are_the_dataspecs_split(runs, name):
+    # 'pairs' splits 4 samples into 2 microbatches, a shadow batch into 1 (records_ddp, multi_auto_sync);
+    # per rank by its shard, wherever the rotation put it
+    by_shard = {
+        20: [2] * 10,
+        9: [2, 2, 1, 1, 1] * 2,  # 9 = 4 + 4 + 1, then shadow steps
+        0: [1] * 10,  # an empty shard: shadow steps only
+    }
+    for rank, res in enumerate(ok(runs, name)):
+        assert res['microbatches'] == by_shard[LISTS[name]['shards'][rank]], f'{name}: rank {rank}'
+
+
+def test_fsdp_microbatches_are_padded_to_the_largest_count(runs):
     # FSDP2: 8 samples in pairs are 4 microbatches; every rank runs the step's largest count (padding)
     assert all(res['microbatches'] == [4, 4, 2] for res in ok(runs, 'records_fsdp2'))
 

@@ -31,6 +31,16 @@ def test_rotate_moves_every_per_rank_field_together():
     assert rotate(dict(shards=[12, 6], unsized=True), 1)['unsized'] is True  # a flag, not a list of ranks
 
 
+def test_batch_formats_and_claimed_lengths_move_with_their_ranks():
+    cfg = dict(formats=[['tuple'] * 3, ['dict'], []], claimed=[None, 5, None])
+    out = rotate(cfg, 2)  # rank r's part goes to rank r + 2 (mod 3)
+    assert out['formats'] == [['dict'], [], ['tuple'] * 3] and out['claimed'] == [5, None, None]
+    assert rotations(cfg) == [1, 2]  # the rank without batches to the middle and the first place
+    assert rotations(dict(formats=[['tuple'], ['tuple']])) == []  # nothing would change
+    settings = dict(per_rank=[{}, {'mode': 'rebalance'}, {}], shards=[16, 8, 4])
+    assert rotate(settings, 1) == dict(per_rank=[{}, {}, {'mode': 'rebalance'}], shards=[4, 16, 8])
+
+
 def test_cut_points_move_with_their_ranks():
     # rank r gets perm[cuts[r]:cuts[r + 1]]: 17, 2 and 8 samples
     assert rotate(dict(cuts=[0, 17, 19, 27]), 1)['cuts'] == [0, 8, 25, 27]  # 8, 17, 2

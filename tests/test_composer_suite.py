@@ -69,3 +69,18 @@ def test_regressions_are_stock_passes_that_do_not_pass_injected_unless_expected(
     assert comparison.expected() == [truncation]
     assert comparison.regressions() == ['broke', 'lost']  # 'lost': missing from the injected run (a crash)
     assert (comparison.passed(stock), comparison.passed(injected)) == (4, 1)
+
+
+def test_a_difference_that_passes_when_run_again_alone_is_flaky_not_a_regression():
+    stock = {'timing': 'passed', 'broke': 'passed', 'lost': 'passed'}
+    injected = {'timing': 'failed', 'broke': 'failed'}
+    comparison = runner.Comparison(stock, injected, rerun={'timing': 'passed', 'broke': 'failed'})
+    assert comparison.flaky() == ['timing']
+    assert comparison.regressions() == ['broke', 'lost']  # failed again; never ran (its session crashed)
+    assert runner.Comparison(stock, injected).regressions() == ['broke', 'lost', 'timing']  # no rerun: all count
+
+
+def test_a_rerun_runs_only_the_injected_failures(tmp_path):
+    run = runner.Run('one', True, tmp_path, only=('tests/x.py::test_a',))
+    assert run.name == 'one-injected-rerun'
+    assert run.command(60)[-1] == 'tests/x.py::test_a' and 'tests/trainer/test_trainer.py' not in run.command(60)

@@ -188,12 +188,7 @@ def fit(cfg: dict, folder: str, **kwargs) -> dict[str, Any]:
     trainer = quiet_trainer(
         model=model,
         train_dataloader=train,
-        eval_dataloader=Evaluator(
-            label='eval',
-            dataloader=evaluation,
-            metric_names=['MulticlassAccuracy', 'MeanLoss'],
-            subset_num_batches=-1 if _sized(evaluation) else 1000,  # Composer refuses an eval loader without len()
-        ),
+        eval_dataloader=evaluator(evaluation, ['MulticlassAccuracy', 'MeanLoss']),
         eval_interval='1ep',
         max_duration=cfg.get('max_duration', '2ep'),  # in batches without len(): Composer refuses epochs
         optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -236,6 +231,14 @@ def stop_workers(*loaders: Optional[DataLoader]) -> None:
         iterator = getattr(loader, '_iterator', None) if loader is not None else None
         if iterator is not None and hasattr(iterator, '_shutdown_workers'):
             iterator._shutdown_workers()
+
+
+def evaluator(loader: DataLoader, metrics: list[str]) -> Evaluator:
+    """The evaluation after each epoch, of every batch (Composer refuses an eval loader without len() unless given
+    a number of batches: 1000, more than any case has)."""
+    return Evaluator(
+        label='eval', dataloader=loader, metric_names=metrics, subset_num_batches=-1 if _sized(loader) else 1000
+    )
 
 
 def _sized(loader: DataLoader) -> bool:
@@ -287,12 +290,7 @@ def run_stock(name: str, cfg: dict, folder: str) -> dict[str, Any]:
     trainer = quiet_trainer(
         model=model,
         train_dataloader=train,
-        eval_dataloader=Evaluator(
-            label='eval',
-            dataloader=evaluation,
-            metric_names=['MulticlassAccuracy'],
-            subset_num_batches=-1 if _sized(evaluation) else 1000,
-        ),
+        eval_dataloader=evaluator(evaluation, ['MulticlassAccuracy']),
         eval_interval='1ep',
         max_duration=cfg.get('max_duration', '1ep'),
         optimizers=torch.optim.SGD(model.parameters(), lr=0.1),

@@ -4,7 +4,9 @@
   ``test_set_dataloaders_to_cur_epoch``), the ids each rank trains per epoch;
 * :func:`shadow_warnings`: uneven shards with a train metric and an evaluator, every warning recorded (and,
   with ``error=True``, every warning an error, as in Composer's test configuration);
-* :func:`save_for_resize` / :func:`resume_resized`: a checkpoint saved by some ranks, resumed by more.
+* :func:`save_for_resize` / :func:`resume_resized`: a checkpoint saved by some ranks, resumed by more;
+* :func:`user_data_specs`: the user's own ``DataSpec`` for train and eval data (uneven), as it was after
+  ``fit()``, ``eval()`` and ``predict()``, and still split right by a second ``fit()``.
 
 Not a test module.
 """
@@ -16,13 +18,16 @@ import warnings
 from typing import Any, Optional
 
 import torch
-from composer import Callback, Event, Trainer
+from composer import Callback, Evaluator, Event, Trainer
+from composer.core import DataSpec
 from composer.utils import dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 import devices
 from composer_join import ExactDistributedSampler, UnevenInputsError, UnevenJoin, is_shadow_step
 from rank_scenarios import Indexed, ToyModel
+from scenarios_fsdp import cpu_fsdp_workarounds, parallelism
+from scenarios_readahead import SizedIdShard
 from toy import shard
 
 
@@ -161,3 +166,73 @@ def resume_resized(folder: str, checkpoint: str, size: int, batch_size: int) -> 
         'report_worlds': [r.world_size for r in join.reports],
         'params': torch.cat([p.detach().flatten() for p in trainer.state.model.parameters()]),
     }
+
+
+class Seen(Callback):
+    """The ids of the real samples this rank trained per epoch, and evaluated per evaluation."""
+
+    def __init__(self):
+        self.trained: dict[int, list[int]] = {}
+        self.evaluated: list[list[int]] = []
+
+    def before_forward(self, state, logger):
+        if not is_shadow_step(state):
+            self.trained.setdefault(int(state.timestamp.epoch), []).extend(int(i) for i in state.batch[2])
+
+    def eval_start(self, state, logger):
+        self.evaluated.append([])
+
+    def eval_before_forward(self, state, logger):
+        if not is_shadow_step(state):
+            self.evaluated[-1].extend(int(i) for i in state.batch[2])
+
+
+def split_in_pairs(batch, microbatch_size):
+    """The user's own ``split_batch``: microbatches of two samples, whatever the microbatch size."""
+    x, y, ids = batch
+    return [(x[i : i + 2], y[i : i + 2], ids[i : i + 2]) for i in range(0, len(y), 2)]
+
+
+def user_data_specs(shards: list[int], eval_shards: list[int], wrapper: str) -> dict[str, Any]:
+    """``DataSpec``s of the user's own for this rank's train shard (a custom ``split_batch``) and eval shard
+    (Composer's default), under ``wrapper`` (``ddp`` or ``fsdp1``, whose microbatch padding also wraps the split):
+    ``fit()`` 1 epoch with an evaluation, ``eval()``, ``predict()``, then ``fit()`` 1 more epoch; which
+    ``split_batch`` each ``DataSpec`` holds after each of them. Sample ids: ``1000 * rank + i`` (train),
+    ``1000 * (10 + rank) + i`` (eval)."""
+    cpu_fsdp_workarounds()
+    rank = dist.get_global_rank()
+    # streamed shards with len() (Composer's predict() refuses a map-style dataset without a DistributedSampler)
+    train, evaluation = SizedIdShard(rank, shards[rank]), SizedIdShard(10 + rank, eval_shards[rank])
+    train_spec = DataSpec(DataLoader(train, batch_size=4), split_batch=split_in_pairs)
+    eval_spec = DataSpec(DataLoader(evaluation, batch_size=4))
+    before = {'train': train_spec.split_batch, 'eval': eval_spec.split_batch}
+    seen = Seen()
+
+    def held(when: str) -> dict[str, Any]:
+        return {
+            f'{when}/{name}': spec.split_batch is before[name] or repr(spec.split_batch)
+            for name, spec in (('train', train_spec), ('eval', eval_spec))
+        }
+
+    kept: dict[str, Any] = {}
+    trainer = _trainer(
+        train_spec,
+        [seen],
+        max_duration='1ep',
+        eval_dataloader=Evaluator(label='eval', dataloader=eval_spec, metric_names=['MulticlassAccuracy']),
+        eval_interval='1ep',
+        device_train_microbatch_size=2,
+        parallelism_config=parallelism(wrapper, {}),
+    )
+    try:
+        trainer.fit()
+        kept.update(held('fit'))
+        trainer.eval()
+        kept.update(held('eval'))
+        trainer.predict(DataLoader(evaluation, batch_size=4))
+        kept.update(held('predict'))
+        trainer.fit(duration='1ep')  # one more epoch
+        kept.update(held('second_fit'))
+    finally:
+        trainer.close()
+    return {'kept': kept, 'trained': seen.trained, 'evaluated': seen.evaluated}

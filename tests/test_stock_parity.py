@@ -9,6 +9,10 @@ Issue 29, each checked on real ranks through Composer's Trainer against an indep
    rank instead of one rank raising while the other waits in the metric's sync; both rank orders;
 3. a checkpoint saved by 2 ranks resumes on 3 at an epoch boundary (every sample of the new shards trained
    once, the replicas equal), and mid-epoch every rank stops with an error naming both world sizes.
+
+Beside them: a ``DataSpec`` of the user's own (train, with a ``split_batch`` of its own, and eval) holds its own
+``split_batch`` again after ``fit()``, ``eval()`` and ``predict()`` (UnevenJoin wraps it only while it runs), and a
+second ``fit()`` still trains and evaluates every sample once; DDP and FSDP1, the short rank first and last.
 """
 
 from __future__ import annotations
@@ -24,6 +28,12 @@ SIZE, BATCH, EPOCHS = 24, 2, 2  # Composer's test_set_dataloaders_to_cur_epoch
 # rank 1 has 8 more samples (Composer's test_rank_dependent_dataloader_lengths), then the long rank first
 SHARDS = {'short_first': [16, 24], 'long_first': [24, 16]}
 RESIZE_SIZE, RESIZE_BATCH = 26, 4  # 2 ranks: 13, 13 samples (4 batches each); 3 ranks: 9, 9, 8 (3, 3, 2)
+# the user's DataSpecs: train batches of 4 (3 and 1 per rank), eval batches of 4 (3 and 1)
+SPEC_CASES = {
+    f'{wrapper}-{order}': dict(shards=shards, eval_shards=eval_shards, wrapper=wrapper)
+    for wrapper in ('ddp', 'fsdp1')
+    for order, shards, eval_shards in (('short_last', [10, 3], [9, 2]), ('short_first', [3, 10], [2, 9]))
+}
 
 
 @pytest.fixture(scope='module')
@@ -44,6 +54,8 @@ def two_ranks(tmp_path_factory) -> dict:
             dict(folder=folder, size=RESIZE_SIZE, batch_size=RESIZE_BATCH),
         )
     )
+    for name, kwargs in SPEC_CASES.items():
+        calls.append((f'spec-{name}', 'scenarios_stock_parity:user_data_specs', kwargs))
     runs = launch(2, calls, timeout=300)
     runs['folder'] = folder
     return runs
@@ -115,3 +127,19 @@ def test_a_checkpoint_of_2_ranks_stops_every_rank_of_3_mid_epoch_naming_both_wor
         assert kind == 'UnevenInputsError'
         assert 'saved by 2 ranks' in message and 'this run has 3 ranks' in message, message
         assert res['batch'] == 2  # stopped at FIT_START, before any step
+
+
+@pytest.mark.parametrize('name', SPEC_CASES)
+def test_a_data_spec_of_the_users_own_splits_as_before_once_fit_eval_and_predict_end(two_ranks, name):
+    case = SPEC_CASES[name]
+    for rank, run in enumerate(ok(two_ranks, f'spec-{name}')):
+        # True: the very split_batch the DataSpec was made with (else the repr of what replaced it)
+        assert all(v is True for v in run['kept'].values()), f'rank {rank}: {run["kept"]}'
+        assert sorted(run['kept']) == [
+            f'{w}/{s}' for w in ('eval', 'fit', 'predict', 'second_fit') for s in ('eval', 'train')
+        ]
+        own = [1000 * rank + i for i in range(case['shards'][rank])]
+        assert {e: sorted(ids) for e, ids in run['trained'].items()} == {0: own, 1: own}, f'rank {rank}'
+        # the evaluations after each epoch and trainer.eval(): each the whole eval shard, once
+        own_eval = [1000 * (10 + rank) + i for i in range(case['eval_shards'][rank])]
+        assert [sorted(ids) for ids in run['evaluated']] == [own_eval] * 3, f'rank {rank}'

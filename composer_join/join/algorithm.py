@@ -29,14 +29,16 @@ event                     what happens
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
                           (rebalance: with bytes moved)
 ``*_CHECKPOINT``          wrapper (DDP): buffers equal on every rank before a checkpoint is saved
-``FIT_END``               wrapper (DDP): buffers equal on every rank at the end of ``fit``
+``FIT_END``               wrapper (DDP): buffers equal on every rank at the end of ``fit``; the train
+                          ``DataSpec``'s ``split_batch`` as it was (:func:`~composer_join.shadow.dataspec.restore_split`)
 ``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement), lift the cap;
                           wrapper: FSDP pads eval microbatches, DDP makes buffers equal on every rank
 ``EVAL_BATCH_START``      automatic microbatching: keep the metric states, for a retry after an OOM
 ``EVAL_BEFORE_FORWARD``   a retry: put the metric states back; shadow: swap in the template; real: keep one
 ``EVAL_AFTER_FORWARD``    shadow: keep the eval metrics out
 ``EVAL_BATCH_END``        put the eval metrics back; list states made syncable (:mod:`composer_join.interop.metrics`)
-``EVAL_END``              stop every rank if some rank could not form a batch; back to the train plan
+``EVAL_END``              stop every rank if some rank could not form a batch; back to the train plan;
+                          the evaluator's ``DataSpec``'s ``split_batch`` as it was
 ``PREDICT_*``             as evaluation (:mod:`composer_join.interop.predict`); a shadow batch's outputs are
                           cut to zero samples
 ========================  ======================================================================
@@ -81,6 +83,7 @@ from composer_join.join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloa
 from composer_join.rebalance.readahead import ReadAheadRebalancer
 from composer_join.rebalance.rebalance import Rebalancer
 from composer_join.shadow.buffers import checkpoint_due
+from composer_join.shadow.dataspec import current_spec, restore_split, train_data_spec
 from composer_join.shadow.gradients import scale_grad
 from composer_join.wrappers import wrapper_for
 from composer_join.wrappers.wrapper import Wrapper
@@ -350,6 +353,7 @@ class UnevenJoin(Algorithm):
             self._stash_metrics(metrics)
         elif event == Event.FIT_END:
             self._wrapper.fit_end(state)
+            restore_split(current_spec(state))  # the train DataSpec splits as it did before fit()
         elif event in _CHECKPOINTS:
             if checkpoint_due(state, event):
                 self._wrapper.before_checkpoint(state)
@@ -359,6 +363,9 @@ class UnevenJoin(Algorithm):
             if self._loader is not None:
                 self._loader.check_ended_together()
             self._loader = self._train_loader
+            spec = current_spec(state)
+            if spec is not train_data_spec(state):  # a DataSpec for both (the user's own) stays wrapped till FIT_END
+                restore_split(spec)  # the evaluator's, wrapped again at its next start
 
     # -- starting ----------------------------------------------------------------------------------
 

@@ -533,11 +533,12 @@ def join_dataloader(
         size = lambda: state.device_train_microbatch_size  # noqa: E731 (read when used: auto microbatching)
     else:
         size = microbatch_size if callable(microbatch_size) else lambda: microbatch_size
+    # Composer's DataSpec, so counts are its counts; wrapped at every start (the algorithm restores it at the end)
+    spec = ShadowSplit.installed(spec_for(state, dataloader))
     if cached is not None and cached.dataloader is dataloader:
         loader = cached
         loader.length, loader.check_overflow, loader.lengths = shared, check_overflow, lengths
     else:
-        spec = ShadowSplit.installed(spec_for(state, dataloader))  # Composer's, so counts are its counts
         loader = JoinLoader(
             dataloader,
             describe=lambda batch: _describe(spec, batch, loader.microbatch_size()),

@@ -7,7 +7,8 @@ report and its microbatch bookkeeping (DDP's last-microbatch sync under ``multi_
 FSDP's padding) use the same functions:
 
 * :func:`spec_for`: the ``DataSpec`` of the dataloader being wrapped (the trainer's train
-  ``DataSpec``, or the evaluator's), found from inside one of Composer's events;
+  ``DataSpec``, or the evaluator's), found from inside one of Composer's events (:func:`current_spec`: the same,
+  or None where Composer has none of its own);
   :func:`train_data_spec`: the trainer's train ``DataSpec`` itself, found on the call stack;
 * :func:`count_microbatches`: Composer's default split makes ``ceil(samples / microbatch size)``
   microbatches (computed, nothing split); a custom ``split_batch`` is called on the batch and its
@@ -16,12 +17,20 @@ FSDP's padding) use the same functions:
   whatever the ``split_batch``: Composer's default cannot split an empty list (``range()`` with a
   step of 0), and a custom one may return no microbatch at all. Installed on the ``DataSpec``, it
   hands a batch the ``DataSpec`` counts as zero samples back whole, and splits every other batch
-  as before.
+  as before;
+* :func:`restore_split`: takes UnevenJoin's wrappers (:class:`ShadowSplit`, FSDP's and DDP's
+  :class:`~composer_join.shadow.padding.MicrobatchPadding`) off a ``DataSpec`` again. The ``DataSpec`` may be
+  the user's own (``Trainer(train_dataloader=DataSpec(...))``, ``Evaluator(dataloader=DataSpec(...))``): the
+  algorithm restores its ``split_batch`` at the end of the ``fit()``, evaluation or ``predict()`` that wrapped
+  it, so that a later ``Trainer`` without UnevenJoin splits as stock Composer does, and the next start wraps it
+  afresh. A ``fit()`` that raises leaves the wrappers in place (Composer runs no event after an error); they
+  change nothing but zero-sample batches, which stock Composer cannot split.
 
 Example::
 
     spec = ShadowSplit.installed(spec_for(state, dataloader))
     count_microbatches(spec, batch, 4, samples=10)  # 3 with Composer's default split
+    restore_split(current_spec(state))  # at the end: spec.split_batch is the one it had before
 """
 
 from __future__ import annotations
@@ -34,7 +43,16 @@ from typing import Any, Optional
 from composer.core import DataSpec, State
 from composer.core.data_spec import _default_split_batch
 
-__all__ = ['ShadowSplit', 'count_microbatches', 'count_samples', 'spec_for', 'train_data_spec', 'unwrapped_split']
+__all__ = [
+    'ShadowSplit',
+    'count_microbatches',
+    'count_samples',
+    'current_spec',
+    'restore_split',
+    'spec_for',
+    'train_data_spec',
+    'unwrapped_split',
+]
 
 _COUNT_ERRORS = (ValueError, NotImplementedError, TypeError, AttributeError, IndexError, KeyError)
 
@@ -56,8 +74,9 @@ def train_data_spec(state: State) -> Optional[DataSpec]:
     return None
 
 
-def spec_for(state: State, dataloader: Any) -> DataSpec:
-    """The ``DataSpec`` Composer uses for ``state.dataloader`` (its label says which); ``DataSpec(dataloader)`` if unknown."""
+def current_spec(state: State) -> Optional[DataSpec]:
+    """The ``DataSpec`` Composer uses for ``state.dataloader`` (its label says which): the trainer's train
+    ``DataSpec`` or an evaluator's; None if neither (``predict()``'s, say)."""
     label = state.dataloader_label
     if label == 'train':
         spec = train_data_spec(state)
@@ -66,7 +85,13 @@ def spec_for(state: State, dataloader: Any) -> DataSpec:
     for evaluator in state.evaluators:
         if evaluator.label == label and isinstance(evaluator.dataloader, DataSpec):
             return evaluator.dataloader
-    return DataSpec(dataloader)
+    return None
+
+
+def spec_for(state: State, dataloader: Any) -> DataSpec:
+    """:func:`current_spec`, or ``DataSpec(dataloader)`` if it is unknown."""
+    spec = current_spec(state)
+    return spec if spec is not None else DataSpec(dataloader)
 
 
 def unwrapped_split(spec: DataSpec) -> Callable[[Any, Any], Any]:
@@ -78,6 +103,12 @@ def unwrapped_split(spec: DataSpec) -> Callable[[Any, Any], Any]:
     while getattr(split, 'uneven_join_wrapper', False):
         split = split.split  # type: ignore[attr-defined]  # one of UnevenJoin's wrappers
     return split
+
+
+def restore_split(spec: Optional[DataSpec]) -> None:
+    """Put back the ``split_batch`` ``spec`` had before UnevenJoin wrapped it (nothing if it is not wrapped, or None)."""
+    if spec is not None and getattr(spec.split_batch, 'uneven_join_wrapper', False):
+        spec.split_batch = unwrapped_split(spec)
 
 
 def _wrappers(split: Any) -> list:

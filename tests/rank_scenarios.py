@@ -249,6 +249,29 @@ class Indexed(Dataset):
         return self.x[i], self.y[i], i
 
 
+class IdShard(IterableDataset):
+    """Rank ``rank``'s ``size`` samples ``(x, y, id)`` with ids ``1000 * rank + i``, streamed in order, no
+    ``__len__``; raising at sample ``fail_at``."""
+
+    def __init__(self, rank: int, size: int, fail_at: Optional[int] = None):
+        self.x, self.y = shard(rank, size)
+        self.ids = [rank * 1000 + i for i in range(size)]
+        self.fail_at = fail_at
+
+    def __iter__(self):
+        for i, sample in enumerate(zip(self.x, self.y, self.ids)):
+            if i == self.fail_at:
+                raise RuntimeError(f'disk read error at sample {i}')
+            yield sample
+
+
+class SizedIdShard(IdShard):
+    """:class:`IdShard` with ``__len__``."""
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 def make_eval_loader(cfg: dict, rank: int) -> Optional[DataLoader]:
     """Per-rank eval shards (``eval_shards``), or one dataset of ``eval_map`` samples with a sampler."""
     batch_size = cfg.get('eval_batch_size', 4)

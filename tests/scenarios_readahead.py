@@ -16,27 +16,11 @@ from typing import Any, Optional
 import torch
 from composer import Callback, Trainer
 from composer.utils import dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from composer_join import UnevenJoin, is_shadow_step
-from rank_scenarios import LogLines, ToyModel, make_optimizer, quiet_trainer
+from rank_scenarios import IdShard, LogLines, SizedIdShard, ToyModel, make_optimizer, quiet_trainer
 from scenarios_rebalance import fitted
-from toy import shard
-
-
-class IdShard(IterableDataset):
-    """Rank ``rank``'s ``size`` samples ``(x, y, id)``, in order; with ``__len__`` if ``sized``; raising at ``fail_at``."""
-
-    def __init__(self, rank: int, size: int, fail_at: Optional[int] = None):
-        self.x, self.y = shard(rank, size)
-        self.ids = [rank * 1000 + i for i in range(size)]
-        self.fail_at = fail_at
-
-    def __iter__(self):
-        for i, sample in enumerate(zip(self.x, self.y, self.ids)):
-            if i == self.fail_at:
-                raise RuntimeError(f'disk read error at sample {i}')
-            yield sample
 
 
 class ResumingIdShard(IdShard):
@@ -47,11 +31,6 @@ class ResumingIdShard(IdShard):
 
     def load_state_dict(self, state: dict) -> None:
         pass
-
-
-class SizedIdShard(IdShard):
-    def __len__(self) -> int:
-        return len(self.ids)
 
 
 def make_loader(cfg: dict, rank: int) -> DataLoader:

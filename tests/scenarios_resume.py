@@ -14,28 +14,20 @@ from typing import Any, Optional
 import torch
 from composer import Callback, Trainer
 from composer.utils import dist
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 import devices
 from composer_join import ExactDistributedSampler, UnevenJoin, is_shadow_step
-from rank_scenarios import AsksForUnusedParameters, Indexed, ToyModel, _flat_optimizer_state, make_optimizer
+from rank_scenarios import (
+    AsksForUnusedParameters,
+    IdShard,
+    Indexed,
+    SizedIdShard,
+    ToyModel,
+    _flat_optimizer_state,
+    make_optimizer,
+)
 from toy import shard
-
-
-class IdShard(IterableDataset):
-    """This rank's shard as ``(x, y, id)`` samples, streamed in order; ``sized`` gives it ``__len__``."""
-
-    def __init__(self, rank: int, size: int):
-        self.x, self.y = shard(rank, size)
-        self.ids = [rank * 1000 + i for i in range(size)]
-
-    def __iter__(self):
-        return iter(zip(self.x, self.y, self.ids))
-
-
-class SizedIdShard(IdShard):
-    def __len__(self) -> int:
-        return len(self.ids)
 
 
 class SelfResuming(SizedIdShard):

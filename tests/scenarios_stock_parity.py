@@ -25,9 +25,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import devices
 from composer_join import ExactDistributedSampler, UnevenInputsError, UnevenJoin, is_shadow_step
-from rank_scenarios import Indexed, ToyModel
+from rank_scenarios import Indexed, SizedIdShard, ToyModel
 from scenarios_fsdp import cpu_fsdp_workarounds, parallelism
-from scenarios_readahead import SizedIdShard
 from toy import shard
 
 

@@ -47,7 +47,7 @@ docs: $(VENV)/.installed-docs   # the site, into docs/_build/html (warnings are 
 bench: $(VENV)/.installed-bench
 	$(VENV)/bin/python benchmarks/run.py
 
-fuzz: $(VENV)/.installed-test   # hypothesis: hundreds of random uneven runs against the reference (~10 min on 2 cores)
+fuzz: $(VENV)/.installed-test   # hypothesis: 750 random uneven runs, half with evaluation, against the reference (~4 min on 2 cores)
 	COMPOSER_JOIN_FUZZ=1 $(VENV)/bin/pytest tests/test_random_unevenness.py
 
 llmfoundry: $(VENV)/.installed-llmfoundry   # the llm-foundry example (docs/integrations.md): a tiny MPT, offline

@@ -3,7 +3,10 @@
 Each example draws a world size's worth of training configs: per-rank shard sizes from 0 to a few
 batches (empty and one-sample shards drawn often), batch and microbatch sizes, the DDP sync
 strategy, sized or unsized shards, 1 or 2 epochs, SGD with momentum or Adam, and both
-``divide_by_initial_world_size`` values. Starting ranks is expensive, so one example is one
+``divide_by_initial_world_size`` values; in half of them also per-rank eval shards (empty and
+one-sample ones drawn often), an eval batch and microbatch size: every rank's last evaluation (after
+``fit()``) must equal the accuracy and mean loss of its final weights on all ranks' eval samples at once,
+computed here (``reference.evaluate``). Starting ranks is expensive, so one example is one
 launch that trains all its configs in one process group; the reference is computed here, in the
 test process (``tests/reference.py``), and every rank's weights must match it within 1e-5.
 
@@ -25,7 +28,7 @@ import reference
 from harness import RankError, launch
 
 TOL = 1e-5
-CI_CONFIGS, FUZZ_CONFIGS, FUZZ_EXAMPLES = 6, 25, 4
+CI_CONFIGS, FUZZ_CONFIGS, FUZZ_EXAMPLES = 6, 25, 10
 FUZZ = os.environ.get('COMPOSER_JOIN_FUZZ') == '1'
 CONFIGS = FUZZ_CONFIGS if FUZZ else CI_CONFIGS
 
@@ -66,6 +69,15 @@ def configs(draw, world: int) -> dict:
     if cfg['dataset'] == 'iterable_nolen':  # Composer needs a duration in batches without len(): cut anywhere
         steps = draw(st.integers(1, 2 * max(-(-n // batch) for n in shards)))
         cfg.update(epochs=2, max_duration=f'{steps}ba', max_steps=steps)
+    if draw(st.booleans()):  # per-rank eval shards, evaluated after each epoch and once more after fit()
+        eval_batch = draw(st.integers(1, 5))
+        eval_size = st.one_of(st.just(0), st.just(1), st.integers(0, 3 * eval_batch + 1))
+        cfg.update(
+            eval_shards=draw(st.lists(eval_size, min_size=world, max_size=world).filter(lambda s: sum(s) > 0)),
+            eval_batch_size=eval_batch,
+            eval_microbatch=draw(st.one_of(st.none(), st.integers(1, eval_batch))),
+            eval_after=True,
+        )
     return cfg
 
 
@@ -91,6 +103,8 @@ def check(world: int, cfgs: list[dict]) -> None:
             assert diff < TOL, f'config {cfg}: rank {rank} is {diff:.2e} from the reference'
             assert res['timestamp']['sample'] == samples, f'config {cfg}: rank {rank}'
             assert res['timestamp']['batch'] == steps, f'config {cfg}: rank {rank}'
+        if cfg.get('eval_shards') is not None:  # every eval sample of every rank counted once, on every rank
+            reference.assert_evaluation_like_reference(results[f'draw{i}'], cfg)
 
 
 @pytest.mark.parametrize('world', [2, 3, 4])

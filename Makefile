@@ -47,7 +47,7 @@ docs: $(VENV)/.installed-docs   # the site, into docs/_build/html (warnings are 
 bench: $(VENV)/.installed-bench
 	$(VENV)/bin/python benchmarks/run.py
 
-fuzz: $(VENV)/.installed-test   # hypothesis: 750 random uneven runs, half with evaluation, against the reference (~4 min on 2 cores)
+fuzz: $(VENV)/.installed-test   # hypothesis: 750 random uneven runs (DDP, FSDP, rebalancing, evaluation) against the reference (~4 min)
 	COMPOSER_JOIN_FUZZ=1 $(VENV)/bin/pytest tests/test_random_unevenness.py
 
 llmfoundry: $(VENV)/.installed-llmfoundry   # the llm-foundry example (docs/integrations.md): a tiny MPT, offline

@@ -3,7 +3,9 @@
 Each example draws a world size's worth of training configs: per-rank shard sizes from 0 to a few
 batches (empty and one-sample shards drawn often), batch and microbatch sizes, the DDP sync
 strategy, sized or unsized shards, 1 or 2 epochs, SGD with momentum or Adam, and both
-``divide_by_initial_world_size`` values; in half of them also per-rank eval shards (empty and
+``divide_by_initial_world_size`` values, DDP (half the draws), FSDP1 or FSDP2, and ``mode='rebalance'`` in a
+third of the draws with ``len()`` (against ``test_rebalance.reference_train``, written from the README's rule);
+in half of them also per-rank eval shards (empty and
 one-sample ones drawn often), an eval batch and microbatch size: every rank's last evaluation (after
 ``fit()``) must equal the accuracy and mean loss of its final weights on all ranks' eval samples at once,
 computed here (``reference.evaluate``). Starting ranks is expensive, so one example is one
@@ -25,6 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import reference
+import test_rebalance
 from harness import RankError, launch
 
 TOL = 1e-5
@@ -48,6 +51,9 @@ PROFILE = settings.get_profile('composer_join_fuzz' if FUZZ else 'composer_join_
 pytestmark = pytest.mark.timeout(3600 if FUZZ else 600)
 
 SYNCS = ['single_auto_sync', 'multi_auto_sync', 'forced_sync']
+WRAPPERS = ['ddp', 'ddp', 'fsdp1', 'fsdp2']  # DDP half the time (FSDP has no sync strategies to draw)
+# the rank side of each wrapper: tests/rank_scenarios.py (DDP, every sync strategy), tests/scenarios_fsdp.py
+RANK_SIDE = {'ddp': 'train', 'fsdp1': 'scenarios_fsdp:train', 'fsdp2': 'scenarios_fsdp:train'}
 
 
 @st.composite
@@ -65,7 +71,10 @@ def configs(draw, world: int) -> dict:
         epochs=draw(st.integers(1, 2)),
         optimizer=draw(st.sampled_from(['sgd', 'adam'])),
         join={'divide_by_initial_world_size': draw(st.booleans())},
+        wrapper=draw(st.sampled_from(WRAPPERS)),
     )
+    if cfg['dataset'] == 'iterable' and draw(st.integers(0, 2)) == 0:  # a third of the sized draws rebalance
+        cfg['join']['mode'] = 'rebalance'
     if cfg['dataset'] == 'iterable_nolen':  # Composer needs a duration in batches without len(): cut anywhere
         steps = draw(st.integers(1, 2 * max(-(-n // batch) for n in shards)))
         cfg.update(epochs=2, max_duration=f'{steps}ba', max_steps=steps)
@@ -82,8 +91,12 @@ def configs(draw, world: int) -> dict:
 
 
 def real_samples(cfg: dict) -> tuple[int, int]:
-    """(steps, real samples) the run trains: every epoch as long as the longest shard, cut at ``max_steps``."""
+    """(steps, real samples) the run trains: in shadow mode every epoch as long as the longest shard, cut at
+    ``max_steps``; rebalancing, every epoch's steps as the README's rule forms them (tests/test_rebalance.py)."""
     b = cfg['batch_size']
+    if cfg['join'].get('mode') == 'rebalance':
+        counts = [-(-n // b) for n in cfg['shards']]
+        return len(test_rebalance.expected_steps(counts)) * cfg['epochs'], sum(cfg['shards']) * cfg['epochs']
     per_step = [
         sum(max(0, min(b, n - t * b)) for n in cfg['shards']) for t in range(max(-(-n // b) for n in cfg['shards']))
     ]
@@ -91,15 +104,22 @@ def real_samples(cfg: dict) -> tuple[int, int]:
     return len(steps), sum(steps)
 
 
+def reference_params(cfg: dict) -> dict:
+    """The single-process reference's weights: ``reference.train`` (shadow), ``test_rebalance.reference_train``."""
+    if cfg['join'].get('mode') == 'rebalance':
+        return test_rebalance.reference_train(cfg)
+    return reference.train(cfg, divide=cfg['join']['divide_by_initial_world_size'])['params']
+
+
 def check(world: int, cfgs: list[dict]) -> None:
-    calls = [(f'draw{i}', 'train', {'cfg': cfg}) for i, cfg in enumerate(cfgs)]
+    calls = [(f'draw{i}', RANK_SIDE[cfg['wrapper']], {'cfg': cfg}) for i, cfg in enumerate(cfgs)]
     results = launch(world, calls, timeout=120 + 15 * len(cfgs))
     for i, cfg in enumerate(cfgs):
-        ref = reference.train(cfg, divide=cfg['join']['divide_by_initial_world_size'])
+        ref = reference_params(cfg)
         steps, samples = real_samples(cfg)
         for rank, res in enumerate(results[f'draw{i}']):
             assert not isinstance(res, RankError), f'config {cfg}: rank {rank} raised {res}'
-            diff = reference.max_abs_diff(res['params'], ref['params'])
+            diff = reference.max_abs_diff(res['params'], ref)
             assert diff < TOL, f'config {cfg}: rank {rank} is {diff:.2e} from the reference'
             assert res['timestamp']['sample'] == samples, f'config {cfg}: rank {rank}'
             assert res['timestamp']['batch'] == steps, f'config {cfg}: rank {rank}'

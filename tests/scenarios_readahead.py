@@ -85,7 +85,7 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
     rank = dist.get_global_rank()
     model = ToyModel('mlp')
     optimizer = make_optimizer(cfg, model.parameters())
-    join = UnevenJoin(mode='rebalance', **cfg.get('join', {}))
+    join = UnevenJoin(**{'mode': 'rebalance', **cfg.get('join', {})})
     trained, lines = Trained(join), LogLines()
     logging.getLogger('composer_join').addHandler(lines)
     logging.getLogger('composer_join').setLevel(logging.INFO)

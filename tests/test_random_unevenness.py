@@ -4,8 +4,9 @@ Each example draws a world size's worth of training configs: per-rank shard size
 batches (empty and one-sample shards drawn often), batch and microbatch sizes, the DDP sync
 strategy, sized or unsized shards, 1 or 2 epochs, SGD with momentum or Adam, and both
 ``divide_by_initial_world_size`` values, DDP (half the draws), FSDP1 or FSDP2, and ``mode='rebalance'`` in a
-third of the draws with ``len()`` (against ``test_rebalance.reference_train``, written from the README's rule);
-in half of them also per-rank eval shards (empty and
+third of the draws with ``len()``: with every rank's ``len()`` (against ``test_rebalance.reference_train``, written
+from the README's rule), or with some ranks' shards unsized (against ``test_rebalance_unsized``'s replay of the
+read-ahead rule; no evaluation there). In half of the others also per-rank eval shards (empty and
 one-sample ones drawn often), an eval batch and microbatch size: every rank's last evaluation (after
 ``fit()``) must equal the accuracy and mean loss of its final weights on all ranks' eval samples at once,
 computed here (``reference.evaluate``). Starting ranks is expensive, so one example is one
@@ -28,6 +29,7 @@ from hypothesis import strategies as st
 
 import reference
 import test_rebalance
+import test_rebalance_unsized
 from harness import RankError, launch
 
 TOL = 1e-5
@@ -56,6 +58,11 @@ WRAPPERS = ['ddp', 'ddp', 'fsdp1', 'fsdp2']  # DDP half the time (FSDP has no sy
 RANK_SIDE = {'ddp': 'train', 'fsdp1': 'scenarios_fsdp:train', 'fsdp2': 'scenarios_fsdp:train'}
 
 
+def rank_side(cfg: dict) -> str:
+    """The rank-side function for ``cfg``: by wrapper; DDP rebalancing without ``len()`` in tests/scenarios_readahead.py."""
+    return 'scenarios_readahead:fit' if cfg.get('unsized') and cfg['wrapper'] == 'ddp' else RANK_SIDE[cfg['wrapper']]
+
+
 @st.composite
 def configs(draw, world: int) -> dict:
     batch = draw(st.integers(1, 5))
@@ -75,6 +82,10 @@ def configs(draw, world: int) -> dict:
     )
     if cfg['dataset'] == 'iterable' and draw(st.integers(0, 2)) == 0:  # a third of the sized draws rebalance
         cfg['join']['mode'] = 'rebalance'
+        unsized = draw(st.lists(st.integers(0, world - 1), max_size=world, unique=True))
+        if unsized:  # these ranks' shards have no len(): the read-ahead rule (docs/rebalancing-without-len.md)
+            cfg.update(unsized=sorted(unsized), ids=True, max_duration=f'{sum(shards) * cfg["epochs"]}sp')
+            return cfg  # its rank side (tests/scenarios_readahead.py) has no evaluator
     if cfg['dataset'] == 'iterable_nolen':  # Composer needs a duration in batches without len(): cut anywhere
         steps = draw(st.integers(1, 2 * max(-(-n // batch) for n in shards)))
         cfg.update(epochs=2, max_duration=f'{steps}ba', max_steps=steps)
@@ -94,6 +105,9 @@ def real_samples(cfg: dict) -> tuple[int, int]:
     """(steps, real samples) the run trains: in shadow mode every epoch as long as the longest shard, cut at
     ``max_steps``; rebalancing, every epoch's steps as the README's rule forms them (tests/test_rebalance.py)."""
     b = cfg['batch_size']
+    if cfg.get('unsized'):
+        steps = len(test_rebalance_unsized.simulate(test_rebalance_unsized.counts_of(cfg)))
+        return steps * cfg['epochs'], sum(cfg['shards']) * cfg['epochs']
     if cfg['join'].get('mode') == 'rebalance':
         counts = [-(-n // b) for n in cfg['shards']]
         return len(test_rebalance.expected_steps(counts)) * cfg['epochs'], sum(cfg['shards']) * cfg['epochs']
@@ -105,14 +119,18 @@ def real_samples(cfg: dict) -> tuple[int, int]:
 
 
 def reference_params(cfg: dict) -> dict:
-    """The single-process reference's weights: ``reference.train`` (shadow), ``test_rebalance.reference_train``."""
+    """The single-process reference's weights: ``reference.train`` (shadow), ``test_rebalance.reference_train``
+    (rebalancing with every ``len()``), ``test_rebalance_unsized.replay`` of its rule's steps (without)."""
+    if cfg.get('unsized'):
+        steps = test_rebalance_unsized.simulate(test_rebalance_unsized.counts_of(cfg))
+        return test_rebalance_unsized.replay(cfg, [steps] * cfg['epochs'])
     if cfg['join'].get('mode') == 'rebalance':
         return test_rebalance.reference_train(cfg)
     return reference.train(cfg, divide=cfg['join']['divide_by_initial_world_size'])['params']
 
 
 def check(world: int, cfgs: list[dict]) -> None:
-    calls = [(f'draw{i}', RANK_SIDE[cfg['wrapper']], {'cfg': cfg}) for i, cfg in enumerate(cfgs)]
+    calls = [(f'draw{i}', rank_side(cfg), {'cfg': cfg}) for i, cfg in enumerate(cfgs)]
     results = launch(world, calls, timeout=120 + 15 * len(cfgs))
     for i, cfg in enumerate(cfgs):
         ref = reference_params(cfg)

@@ -96,7 +96,8 @@ def train_inert(cfg: dict, **checkpointing) -> dict[str, Any]:
     trainer = quiet_trainer(
         model=model,
         train_dataloader=make_loader(cfg, rank),
-        max_duration=f'{cfg.get("epochs", 1)}ep',
+        # second_fit: one epoch, then fit() again on the same trainer for the rest (UnevenJoin wraps anew)
+        max_duration='1ep' if cfg.get('second_fit') else f'{cfg.get("epochs", 1)}ep',
         optimizers=make_optimizer(cfg, model.parameters()),
         algorithms=[UnevenJoin(**cfg.get('join', {}))]
         + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
@@ -107,8 +108,13 @@ def train_inert(cfg: dict, **checkpointing) -> dict[str, Any]:
         eval_dataloader=make_evaluator(cfg, rank),
         **checkpointing,
     )
+    def fit():
+        trainer.fit()
+        if cfg.get('second_fit'):
+            trainer.fit(duration=f'{cfg["epochs"] - 1}ep')
+
     try:
-        error = error_if_expected(cfg, trainer.fit)
+        error = error_if_expected(cfg, fit)
     finally:
         trainer.close()
     return {

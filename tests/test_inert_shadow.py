@@ -57,6 +57,11 @@ def _cases() -> dict[str, dict]:
         heads_3=dict(model='heads', shards=[16, 8, 24]),
         bn_eval_3=dict(model='bn', shards=[16, 8, 5], epochs=2, eval_shards=[10, 3, 0]),
         count_3=dict(model='count', shards=[16, 8, 24], epochs=2),
+        # a second fit() on the same trainer: SyncBatchNorm's padded microbatches (the DataSpec's split_batch,
+        # given back at the end of the first fit) wrapped again
+        syncbn_second_fit_multi_mb3=dict(
+            model='syncbn', shards=[21, 8], microbatch=3, sync='multi_auto_sync', epochs=2, second_fit=True
+        ),
         # a communicating forward (shadow_forward) and a rank with no train data at all, train metrics on
         # (a tensor state and a list state); with microbatches too (issue 28: KeyError on the empty rank)
         sumbn_3_empty=dict(model='sumbn', shards=[24, 8, 0], train_metrics=True),

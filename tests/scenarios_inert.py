@@ -108,6 +108,7 @@ def train_inert(cfg: dict, **checkpointing) -> dict[str, Any]:
         eval_dataloader=make_evaluator(cfg, rank),
         **checkpointing,
     )
+
     def fit():
         trainer.fit()
         if cfg.get('second_fit'):

@@ -23,8 +23,10 @@ FSDP's padding) use the same functions:
   the user's own (``Trainer(train_dataloader=DataSpec(...))``, ``Evaluator(dataloader=DataSpec(...))``): the
   algorithm restores its ``split_batch`` at the end of the ``fit()``, evaluation or ``predict()`` that wrapped
   it, so that a later ``Trainer`` without UnevenJoin splits as stock Composer does, and the next start wraps it
-  afresh. A ``fit()`` that raises leaves the wrappers in place (Composer runs no event after an error); they
-  change nothing but zero-sample batches, which stock Composer cannot split.
+  afresh. A ``fit()`` that raises leaves the wrappers in place (Composer runs no event after an error). After
+  UnevenJoin's own early termination (``throw_on_early_termination``) they hold no plan and change only
+  zero-sample batches, which stock Composer cannot split; after an error raised inside a step, FSDP's padding
+  still holds that step's plan, so a ``DataSpec`` reused after such an error should be made anew.
 
 Example::
 

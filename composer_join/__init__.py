@@ -9,6 +9,7 @@ Switch it on with one algorithm::
 from composer_join.collectives import CollectiveCounter
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.report import EpochReport
+from composer_join.data.positions import Position, Reading, SampleCountPosition, TrailPosition, register_position
 from composer_join.data.sampler import ExactDistributedSampler
 from composer_join.join.algorithm import UnevenJoin, is_shadow_step
 from composer_join.join.passes import install as _install_join_pass
@@ -17,9 +18,14 @@ __all__ = [
     'CollectiveCounter',
     'EpochReport',
     'ExactDistributedSampler',
+    'Position',
+    'Reading',
+    'SampleCountPosition',
+    'TrailPosition',
     'UnevenInputsError',
     'UnevenJoin',
     'is_shadow_step',
+    'register_position',
 ]
 
 _install_join_pass()  # UnevenJoin's place among the algorithms, per event (composer_join.join.passes)

@@ -24,7 +24,7 @@ from composer.loggers import InMemoryLogger
 from composer.utils import dist
 from torch.utils.data import DataLoader
 
-from composer_join import ExactDistributedSampler, UnevenJoin, is_shadow_step
+from composer_join import ExactDistributedSampler, TrailPosition, UnevenJoin, is_shadow_step, register_position
 from pipeline_data import (
     EVAL_IDS,
     IdMap,
@@ -36,6 +36,20 @@ from pipeline_data import (
 )
 from rank_scenarios import ToyModel, eval_logged, quiet_trainer
 from scenarios_resume import UnevenShuffled
+
+
+class PlainStatePosition(TrailPosition):
+    """A user's adapter for :class:`PlainState` (composer_join's public protocol): like Hugging Face's, its
+    ``state_dict()`` says where the last read stopped, so it is read after every batch."""
+
+    def read(self, samples: int) -> dict[str, int]:
+        return self.target.state_dict()
+
+    def fresh(self) -> None:  # its loaded position applies to its next iteration that reads: start that one fresh
+        self.target.load_state_dict({'position': 0})
+
+
+register_position(PlainState, PlainStatePosition)
 
 
 def _split(sizes: list[int], first: int) -> list[list[int]]:

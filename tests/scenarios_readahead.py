@@ -18,19 +18,33 @@ from composer import Callback, Trainer
 from composer.utils import dist
 from torch.utils.data import DataLoader
 
-from composer_join import UnevenJoin, is_shadow_step
+from composer_join import SampleCountPosition, UnevenJoin, is_shadow_step, register_position
 from rank_scenarios import IdShard, LogLines, SizedIdShard, ToyModel, make_optimizer, quiet_trainer
 from scenarios_rebalance import fitted
 
 
 class ResumingIdShard(IdShard):
-    """An unsized shard that resumes itself (Composer's ``dataset.state_dict`` protocol)."""
+    """An unsized shard that resumes itself through Composer's protocol (registered with ``SampleCountPosition``):
+    after ``load_state_dict`` its next iteration skips the samples the state says were used."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skip = 0
 
     def state_dict(self, num_samples: int, from_beginning: bool) -> dict:
         return {'sample_in_epoch': num_samples}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        self.skip = state['sample_in_epoch']
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        for i, sample in enumerate(super().__iter__()):
+            if i >= skip:
+                yield sample
+
+
+register_position(ResumingIdShard, SampleCountPosition)
 
 
 def make_loader(cfg: dict, rank: int) -> DataLoader:
@@ -110,11 +124,6 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
 
 def train(cfg: dict) -> dict[str, Any]:
     return fit(cfg)
-
-
-def train_saving(cfg: dict, folder: str) -> dict[str, Any]:
-    """A fit that saves a checkpoint after every batch."""
-    return fit(cfg, save_folder=folder, save_interval='1ba')
 
 
 def resume(cfg: dict, folder: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from composer.utils import dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 import devices
-from composer_join import ExactDistributedSampler, UnevenJoin, is_shadow_step
+from composer_join import ExactDistributedSampler, SampleCountPosition, UnevenJoin, is_shadow_step, register_position
 from rank_scenarios import (
     AsksForUnusedParameters,
     IdShard,
@@ -52,6 +52,9 @@ class SelfResuming(SizedIdShard):
     def __iter__(self):
         skip, self.skip = self.skip, 0
         return iter(list(zip(self.x, self.y, self.ids))[skip:])
+
+
+register_position(SelfResuming, SampleCountPosition)  # Composer's protocol, each rank its own shard
 
 
 class UnevenShuffled(DistributedSampler):

@@ -116,8 +116,13 @@ def test_the_public_api_is_unchanged():
         'CollectiveCounter',
         'EpochReport',
         'ExactDistributedSampler',
+        'Position',
+        'Reading',
+        'SampleCountPosition',
+        'TrailPosition',
         'UnevenInputsError',
         'UnevenJoin',
         'is_shadow_step',
+        'register_position',
     ]
     assert all(getattr(composer_join, name) for name in composer_join.__all__)

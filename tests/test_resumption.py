@@ -18,7 +18,6 @@ not from 0.1.0's checkpoint, which holds the original layout (suite time).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -187,23 +186,33 @@ def test_a_dataset_that_resumes_itself_is_given_its_own_sample_count(runs, name)
         assert calls[steps : 2 * steps] == own
 
 
-def test_a_streaming_dataset_keeps_the_global_count(monkeypatch):
-    # StreamingDataset splits one global sample space across ranks itself: Composer's count is the right one,
-    # so it is left to Composer, and a per-rank shard with the same methods is resumed per rank.
-    # (A stand-in `streaming` module, so the test does not need mosaicml-streaming installed.)
-    import types
+def test_the_position_adapter_is_chosen_by_what_the_data_is(recwarn):
+    # mosaicml-streaming's StreamingDataset splits one global sample space across ranks itself: left to Composer,
+    # silently; a registered class (a subclass too) gets its adapter; an unknown class with the same methods is
+    # never called with guessed arguments: left to Composer, with one warning naming it and how to register
+    from streaming import StreamingDataset
 
-    from composer_join.data.resume import RankDatasets
+    from composer_join import SampleCountPosition, register_position
+    from composer_join.data.positions import position_for
 
-    class StreamingDataset:
+    class Shard:
         def state_dict(self, num_samples, from_beginning):
             return {'sample_in_epoch': num_samples}
 
         def load_state_dict(self, state):
             pass
 
-    monkeypatch.setitem(sys.modules, 'streaming', types.SimpleNamespace(StreamingDataset=StreamingDataset))
-    methods = {'state_dict': StreamingDataset.state_dict, 'load_state_dict': StreamingDataset.load_state_dict}
-    streamed, shard = StreamingDataset(), type('Shard', (), methods)()
-    assert not RankDatasets.applies(streamed)
-    assert RankDatasets.applies(shard)
+    class Registered(Shard):
+        pass
+
+    class Sub(Registered):
+        pass
+
+    register_position(Registered, SampleCountPosition)
+    assert position_for(None, StreamingDataset.__new__(StreamingDataset)) is None
+    assert not recwarn.list
+    assert isinstance(position_for(None, Sub()), SampleCountPosition)
+    assert position_for(None, Shard()) is None
+    assert position_for(None, Shard()) is None  # once per class
+    [warning] = recwarn.list
+    assert 'Shard' in str(warning.message) and 'register_position' in str(warning.message)

@@ -2,6 +2,8 @@
 
 * :mod:`~composer_join.data.sampler`: :class:`~composer_join.ExactDistributedSampler`, a
   ``DistributedSampler`` that neither pads nor drops;
+* :mod:`~composer_join.data.positions`: one adapter per way a data library keeps its position (torchdata,
+  litdata, Hugging Face ``datasets``, Composer's protocol), chosen by what the object is; registering one;
 * :mod:`~composer_join.data.resume`: where each rank's train dataloader stands in a checkpoint, and the
   plain data UnevenJoin keeps in one.
 

@@ -11,42 +11,28 @@ must know which (``train_position``):
   ``load_state_dict``, as ``streaming.StreamingDataset`` does): Composer skips spinning and the
   dataloader's first batch is batch ``batch_in_epoch`` of the epoch.
 
-A train dataset that resumes itself *per rank* (it has ``state_dict`` and ``load_state_dict``; not a
-``streaming.StreamingDataset``, which splits one global sample space across ranks itself and is left to
-Composer) is resumed by :class:`RankDatasets`, without touching the dataset object (nothing is set on it,
-so it still pickles for spawn-started workers and behaves as before). Two signatures are understood:
-
-* Composer's ``state_dict(num_samples, from_beginning)``: the dataset is handed the number of samples of
-  *this rank's* shard used in the current epoch (trained by it, or in ``mode='rebalance'`` given to another
-  rank; 0 at an epoch boundary), not Composer's global ``timestamp.sample_in_epoch``;
-* Hugging Face ``datasets.IterableDataset``'s ``state_dict()`` (no argument: the position after the last
-  example it yielded). UnevenJoin reads one batch ahead (and, rebalancing, a donor reads the batches it
-  gives), so the dataset's own position is past the trained samples: :meth:`RankDatasets.open` keeps the
-  dataset's ``state_dict()`` after every batch read, and a checkpoint saves the one at the trained
-  position. Such a dataset reports its position only when it is read in the main process: with
-  DataLoader workers (``num_workers > 0``) a mid-epoch checkpoint stops every rank with an error.
-  (Hugging Face's ``load_state_dict`` also applies to every later iteration of the same epoch number, so
-  after the resumed epoch each epoch starts from the dataset's initial state, reloaded.)
-
-Composer would save rank 0's dataset state only (calling ``state_dict(num_samples, True)``, which the
-Hugging Face signature refuses with ``TypeError``), and load it into every rank's dataset. So for such a
-dataset UnevenJoin takes ``dataset_state`` out of what Composer saves, and puts every rank's own dataset
-state (and its sample counts) into its own ``state_dict``: one ``all_gather_object`` each time Composer
-saves a checkpoint (``State.state_dict()``, which Composer calls on every rank), nothing otherwise. On
-resuming, each rank loads its own entry into its dataset at ``FIT_START``, before the first batch is read,
-and Composer then does not spin the dataloader. Sharded checkpoints carry the same entries (UnevenJoin's
-state is the same on every rank). A checkpoint written by 0.1.0 (with Composer's ``dataset_state``)
-resumes the same way.
+Where a train dataloader or its dataset keeps its own position (torchdata's ``StatefulDataLoader``, litdata,
+Hugging Face ``datasets.IterableDataset``, a dataset registered with Composer's protocol), an adapter chosen by
+what the object is speaks its protocol (:mod:`composer_join.data.positions`), and :class:`RankPositions`
+keeps *every rank's own* position in UnevenJoin's checkpoint entry: Composer would save rank 0's dataset state
+only (calling ``state_dict(num_samples, from_beginning)`` with the global count, which litdata's and Hugging
+Face's signatures refuse with ``TypeError``) and load it into every rank's dataset. One ``all_gather_object``
+each time Composer saves a checkpoint (``State.state_dict()``, which Composer calls on every rank), nothing
+otherwise. On resuming, each rank loads its own entry at ``FIT_START``, before the first batch is read, and
+Composer then does not spin the dataloader. Sharded checkpoints carry the same entries (UnevenJoin's state is
+the same on every rank). A checkpoint written by 0.1.0 (with Composer's ``dataset_state``) resumes the same way.
 
 What :class:`~composer_join.UnevenJoin` saves (:func:`snapshot`) and loads (:func:`restore`): the
 finished epochs' reports, the current epoch's partial report (so the report after a resume
 counts every step trained in that epoch, before and after the checkpoint, and none spun past)
 and the wrapper's state (under DDP: the rank it broadcasts buffers from). All of it is the same on every rank.
 
-A checkpoint resumes on another world size only at an epoch boundary (:func:`check_world_size`): there
-every rank starts its shard of the new epoch from the beginning, whatever the sampler's (or dataset's)
-sharding for the new world size; the finished epochs' reports keep their own world size. Mid-epoch, which
-samples each rank has already trained belongs to the old sharding, so every rank stops with an error
+A checkpoint resumes on another world size (1 included) only at an epoch boundary (:func:`check_world_size`):
+there every rank starts its shard of the new epoch from the beginning, whatever the sampler's (or dataset's)
+sharding for the new world size; the finished epochs' reports keep their own world size. The checkpoint of an
+epoch's last batch (``save_interval='1ba'``: Composer saves it before ``EPOCH_END``) is a boundary too: every
+sample of that epoch was trained, so the resumed run ends that epoch at once, with no batch. Mid-epoch,
+which samples each rank has already trained belongs to the old sharding, so every rank stops with an error
 naming both world sizes (stock Composer spins the new shards past a position of the old ones).
 
 Example::
@@ -60,146 +46,115 @@ Example::
 from __future__ import annotations
 
 import copy
-import inspect
-import sys
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
 
 from composer.core import State
 from composer.utils import dist
 
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.report import EpochReport
+from composer_join.data.positions import Position, Reading, SampleCountPosition
 from composer_join.rebalance.rebalance import Rebalancer
 
 __all__ = [
-    'RankDatasets',
+    'RankPositions',
+    'Resumed',
+    'Start',
     'check_world_size',
     'restore',
     'resume_counts',
-    'saved_world_size',
     'snapshot',
-    'takes_sample_count',
     'train_position',
 ]
 
 
-def train_position(state: State) -> tuple[int, int, int]:
-    """``(epoch, first_step, skipped)`` for the train dataloader Composer is about to iterate.
+class Start(NamedTuple):
+    """Where the train dataloader's next iteration starts in its epoch (:func:`train_position`)."""
 
-    ``first_step`` is the index in the epoch of the dataloader's first batch, ``skipped`` how
-    many of the batches it yields first Composer will discard (spinning to ``batch_in_epoch``).
-    """
+    epoch: int
+    first: int
+    """The index in the epoch of the dataloader's first batch."""
+    skipped: int
+    """How many of the batches it yields first Composer will discard (spinning to ``batch_in_epoch``)."""
+    finished: bool = False
+    """The epoch's batches were all trained (a checkpoint of its last batch, on another world size): none is read."""
+
+
+def train_position(state: State, finished: bool = False) -> Start:
+    """Where the train dataloader Composer is about to iterate starts (``finished``: see :attr:`Start.finished`)."""
     epoch, step = int(state.timestamp.epoch), int(state.timestamp.batch_in_epoch)
+    if finished and step > 0:
+        return Start(epoch, step, 0, True)
     if 'train' in state.dataset_resumption:  # the dataset resumed itself: no spinning
-        return epoch, step, 0
-    return epoch, 0, step
+        return Start(epoch, step, 0)
+    return Start(epoch, 0, step)
 
 
-class RankDatasets:
-    """Every rank's own dataset state, for a train dataset that resumes itself per rank (:meth:`applies`).
+class RankPositions:
+    """Every rank's own position in its train data, for data that keeps one (:mod:`composer_join.data.positions`).
 
     Args:
         state: the trainer's state (its ``timestamp.sample_in_epoch`` tells an epoch boundary, 0, from the middle).
-        dataset: this rank's train dataset, left untouched.
+        position: this rank's adapter (:func:`~composer_join.data.positions.position_for`).
         trained: ``() -> samples this rank trained in the current epoch`` (its report count).
-        used: ``() -> samples of this rank's shard used in the current epoch`` (what the dataset gets).
+        used: ``() -> samples of this rank's shard used in the current epoch`` (trained, or given away).
         sent: ``() -> bytes this rank sent in the current epoch`` (``mode='rebalance'``).
         count: ``batch -> its samples`` (-1 if uncountable), as Composer counts them.
-        workers: the train DataLoader's ``num_workers``.
 
-    :meth:`gather` is collective: call it on every rank, as Composer's ``State.state_dict()`` is.
-    The innermost reader of the user's dataloader opens it with :meth:`open`.
+    The innermost reader of the user's dataloader opens it with :meth:`open`. :meth:`gather` is collective:
+    call it on every rank, as Composer's ``State.state_dict()`` is. Composer's own rank-0 ``dataset_state`` is
+    left out of checkpoints while a fit runs (except for Composer's protocol, whose signature it calls
+    correctly; a sharded checkpoint's load expects it): :meth:`close` puts it back.
     """
 
     def __init__(
         self,
         state: State,
-        dataset: Any,
+        position: Position,
         trained: Callable[[], int],
         used: Callable[[], int],
         sent: Callable[[], int] = lambda: 0,
         count: Callable[[Any], int] = lambda batch: -1,
-        workers: int = 0,
     ):
-        self.state, self.dataset, self.trained, self.used, self.sent = state, dataset, trained, used, sent
-        self.count, self.workers = count, workers
-        self.positional = takes_sample_count(dataset.state_dict)
-        # Hugging Face style: the initial position, and the positions after each batch read (samples -> state)
-        self._initial = None if self.positional else dataset.state_dict()
-        self._trail: dict[int, Any] = {}
-        self._loaded: Optional[Any] = None  # the state just loaded, until the iteration it applies to opens
-        self._resumed = False  # a state was loaded: later epochs must start from the initial state again
-        # Composer's rank-0 copy calls state_dict(num_samples, from_beginning), which a Hugging Face style dataset
-        # does not take: leave it out for those (UnevenJoin saves each rank's); a sharded checkpoint's load expects it
-        # for the others, whose state_dict takes Composer's arguments
-        if not self.positional and 'dataset_state' in state.serialized_attributes:
+        self.state, self.position, self.trained, self.used, self.sent = state, position, trained, used, sent
+        self.count = count
+        self._resumed_at = 0  # own samples of the epoch a loaded state resumes after, until its iteration opens
+        self._left_out = (
+            not isinstance(position, SampleCountPosition) and 'dataset_state' in state.serialized_attributes
+        )
+        if self._left_out:
             state.serialized_attributes.remove('dataset_state')
 
-    @staticmethod
-    def applies(dataset: Any) -> bool:
-        """Whether ``dataset`` resumes itself per rank (has both methods; not a StreamingDataset)."""
-        return (
-            callable(getattr(dataset, 'state_dict', None))
-            and callable(getattr(dataset, 'load_state_dict', None))
-            and not _splits_globally(dataset)
-        )
+    def close(self) -> None:
+        """Composer's ``dataset_state`` back in its checkpoints (at the end of the fit)."""
+        if self._left_out and 'dataset_state' not in self.state.serialized_attributes:
+            self.state.serialized_attributes.append('dataset_state')
+        self._left_out = False
 
     def open(self, dataloader: Iterable, offset: int) -> Iterator[Any]:
-        """``iter(dataloader)`` for an iteration that starts after ``offset`` own samples of the epoch.
+        """``iter(dataloader)`` (as the adapter reads it) for an iteration after ``offset`` own samples of the epoch."""
+        start = self._resumed_at if offset else 0
+        self._resumed_at = 0
+        return self.position.open(dataloader, Reading(self.count, self.used, start))
 
-        Hugging Face style: yields the same batches, keeping the dataset's position after each one.
+    def gather(self) -> Optional[list[dict[str, Any]]]:
+        """Per rank: ``{'trained', 'used', 'sent', 'dataset'}`` (its position). One ``all_gather_object``.
+
+        None (no collective) where the adapter replays instead. If some rank cannot give its position, every
+        rank raises :class:`UnevenInputsError` (that rank with why).
         """
-        if self.positional:
-            return iter(dataloader)
-        if self._loaded is None and self._resumed:  # an epoch after the resumed one: from the start again
-            self.dataset.load_state_dict(copy.deepcopy(self._initial))
-        start = self._loaded if self._loaded is not None and offset else self._initial
-        self._loaded, self._trail = None, {offset: start}
-        return self._follow(iter(dataloader), offset)
-
-    def _follow(self, batches: Iterator[Any], samples: int) -> Iterator[Any]:
-        for batch in batches:
-            n = self.count(batch)
-            samples = -1 if min(n, samples) < 0 else samples + n
-            used = self.used()
-            self._trail = {k: v for k, v in self._trail.items() if k >= used}
-            self._trail[samples] = self.dataset.state_dict()
-            yield batch
-
-    def _own_state(self, num_samples: int) -> Any:
-        """This rank's dataset state for a checkpoint (``num_samples``: Composer's; 0 at an epoch boundary)."""
-        used = self.used() if num_samples else 0
-        if self.positional:
-            return self.dataset.state_dict(used, True)
-        if not num_samples:
-            return copy.deepcopy(self._initial)
-        if self.workers > 0:
-            raise UnevenInputsError(
-                f'the train dataset ({type(self.dataset).__name__}) is read by {self.workers} DataLoader workers, '
-                "so its state_dict() does not follow what was read (it is kept in each worker's copy): a mid-epoch "
-                'checkpoint cannot resume it exactly. Read it with num_workers=0, save checkpoints at epoch ends only, '
-                'or use a map-style dataset (Composer resumes those by spinning the sampler)'
-            )
-        if used not in self._trail:
-            raise UnevenInputsError(
-                f'the position of the train dataset after {used} samples of this epoch is not known (its batches '
-                'could not be counted); a mid-epoch checkpoint cannot resume it exactly'
-            )
-        return self._trail[used]
-
-    def gather(self) -> list[dict[str, Any]]:
-        """Per rank: ``{'trained', 'used', 'sent', 'dataset'}`` (its dataset's own state). One ``all_gather_object``.
-
-        If some rank cannot give its state, every rank raises :class:`UnevenInputsError` (that rank with why).
-        """
+        if not self.position.resumes_itself:
+            return None
         num_samples = int(self.state.timestamp.sample_in_epoch)
         try:
+            used = self.used() if num_samples else 0
             mine: dict[str, Any] = {
                 'trained': self.trained() if num_samples else 0,
-                'used': self.used() if num_samples else 0,
+                'used': used,
                 'sent': self.sent() if num_samples else 0,
-                'dataset': self._own_state(num_samples),
+                'dataset': self.position.save(used),
             }
             error: Optional[UnevenInputsError] = None
         except UnevenInputsError as e:
@@ -210,50 +165,34 @@ class RankDatasets:
             raise error
         if failed:
             raise UnevenInputsError(
-                f'rank(s) {failed} cannot save the position of their train dataset in this checkpoint: '
+                f'rank(s) {failed} cannot save the position of their train data in this checkpoint: '
                 f'{gathered[failed[0]]["error"]}'
             )
         return gathered
 
     def load(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
-        """Load this rank's entry of ``saved`` into its dataset; return the entry. Raises the same on every rank.
+        """Load this rank's entry of ``saved`` into its data; return the entry. Raises the same on every rank.
 
         Composer then does not spin the dataloader (``state.dataset_resumption['train']``).
         """
         world, rank = dist.get_world_size(), dist.get_global_rank()
         if len(saved) != world:
             raise UnevenInputsError(
-                f"the checkpoint holds the dataset states of {len(saved)} ranks, but this run has {world}: each rank's "
-                f'dataset resumes itself from its own state, so resume with the same world size (or without '
-                f"UnevenJoin's per-rank states: load_ignore_keys=['state/algorithms'] and the dataset restarts the epoch)",
+                f'the checkpoint holds the train data positions of {len(saved)} ranks, but this run has {world}: each '
+                f"rank resumes its own position, so resume with the same world size (or without UnevenJoin's "
+                f"per-rank positions: load_ignore_keys=['state/algorithms'] and the data restarts the epoch)",
             )
-        own = saved[rank]['dataset']
-        self.dataset.load_state_dict(own)
+        own = saved[rank]
+        self.position.load(own['dataset'])
         self.state.dataset_resumption['train'] = True
-        self._loaded, self._resumed = own, True
-        return saved[rank]
-
-
-def takes_sample_count(state_dict: Callable[..., Any]) -> bool:
-    """Whether ``state_dict`` takes Composer's ``(num_samples, from_beginning)`` (else: no argument, as Hugging Face's).
-
-    Example:
-        >>> takes_sample_count(lambda num_samples, from_beginning: {}), takes_sample_count(lambda: {})
-        (True, False)
-    """
-    try:
-        inspect.signature(state_dict).bind(0, True)
-    except TypeError:
-        return False
-    except ValueError:  # no signature (a builtin): assume Composer's protocol
-        return True
-    return True
+        self._resumed_at = int(own.get('used', 0) or 0)
+        return own
 
 
 def resume_counts(loader: Any, own: dict[str, Any], saved: list[dict[str, Any]], mid_epoch: bool) -> None:
     """Start a :class:`~composer_join.join.loader.JoinLoader` resumed mid-epoch from the checkpoint's sample counts.
 
-    ``own`` is this rank's entry of ``saved`` (:meth:`RankDatasets.gather`). The epoch's partial
+    ``own`` is this rank's entry of ``saved`` (:meth:`RankPositions.gather`). The epoch's partial
     report gets every rank's exact count (on steps planned from the lengths, the report alone
     had not received them yet).
     """
@@ -265,21 +204,17 @@ def resume_counts(loader: Any, own: dict[str, Any], saved: list[dict[str, Any]],
     loader.report.real_samples = [int(entry['trained']) for entry in saved]
 
 
-def _splits_globally(dataset: Any) -> bool:
-    """True for a StreamingDataset (checked only if ``streaming`` is imported: a dataset of it would have imported it)."""
-    streaming = sys.modules.get('streaming')
-    return streaming is not None and isinstance(dataset, getattr(streaming, 'StreamingDataset', ()))
-
-
 def snapshot(
     reports: list[EpochReport],
     current: Optional[EpochReport],
     wrapper: dict[str, Any],
     ranks: Optional[list[dict[str, Any]]] = None,
+    epoch_done: bool = False,
 ) -> dict[str, Any]:
     """What UnevenJoin puts in its ``state_dict``: plain data, the same on every rank.
 
-    ``ranks``: :meth:`RankDatasets.gather`'s per-rank dataset states, if the dataset resumes itself.
+    ``ranks``: :meth:`RankPositions.gather`'s per-rank positions, if the data keeps its own.
+    ``epoch_done``: the step just trained was the epoch's last (a checkpoint of it is an epoch boundary).
     """
     return {
         'world_size': dist.get_world_size(),
@@ -287,47 +222,65 @@ def snapshot(
         'current': None if current is None else copy.deepcopy(vars(current)),
         'wrapper': copy.deepcopy(wrapper),
         'ranks': ranks,
+        'epoch_done': epoch_done,
     }
 
 
-def saved_world_size(saved: dict[str, Any]) -> Optional[int]:
-    """The world size that saved :func:`snapshot`'s ``saved`` (checkpoints of 0.1.0: from its reports), None if unknown."""
-    if 'world_size' in saved:
-        return int(saved['world_size'])
-    reports = [r for r in (saved.get('current'), *saved.get('reports', [])) if r is not None]
-    return int(reports[0]['world_size']) if reports else None
+@dataclass
+class Resumed:
+    """What a checkpoint gave UnevenJoin (:func:`restore`), kept until ``FIT_START`` uses it."""
+
+    reports: list[EpochReport]
+    """The finished epochs' reports."""
+    current: Optional[EpochReport]
+    """The current epoch's partial report."""
+    wrapper: dict[str, Any]
+    """The wrapper's state (under DDP: the rank it broadcasts buffers from)."""
+    ranks: Optional[list[dict[str, Any]]]
+    """Every rank's own position (:meth:`RankPositions.gather`), if the data keeps its own."""
+    world_size: Optional[int]
+    """The world size that saved it (checkpoints of 0.1.0: from its reports), None if unknown."""
+    epoch_done: bool
+    """It was saved after the epoch's last batch (before ``EPOCH_END``)."""
 
 
-def check_world_size(saved: Optional[int], state: State) -> bool:
-    """At ``FIT_START``, resuming a checkpoint saved by ``saved`` ranks: True if the world size changed.
+def restore(saved: dict[str, Any]) -> Resumed:
+    """The inverse of :func:`snapshot`."""
+    current = saved.get('current')
+    reports = [EpochReport(**r) for r in saved.get('reports', [])]
+    world = saved.get('world_size')
+    if world is None:  # 0.1.0: from its reports
+        known = [r for r in (current, *saved.get('reports', [])) if r is not None]
+        world = known[0]['world_size'] if known else None
+    return Resumed(
+        reports=reports,
+        current=None if current is None else EpochReport(**current),
+        wrapper=dict(saved.get('wrapper', {})),
+        ranks=saved.get('ranks'),
+        world_size=None if world is None else int(world),
+        epoch_done=bool(saved.get('epoch_done', False)),
+    )
+
+
+def check_world_size(resumed: Optional[Resumed], state: State) -> bool:
+    """At ``FIT_START`` of a resumed run: True if the world size changed (then at an epoch boundary).
 
     Resuming on another world size is sound at an epoch boundary (every rank starts its new shard
-    from the beginning) and is then allowed. Mid-epoch it raises :class:`UnevenInputsError`, the same
-    on every rank (every rank loaded the same checkpoint; no collective), naming both world sizes.
+    from the beginning) and is then allowed; the checkpoint of an epoch's last batch is one. Mid-epoch it
+    raises :class:`UnevenInputsError`, the same on every rank (every rank loaded the same checkpoint; no
+    collective), naming both world sizes. Called at every world size, 1 included.
     """
     world = dist.get_world_size()
-    if saved is None or saved == world:
+    if resumed is None or resumed.world_size is None or resumed.world_size == world:
         return False
+    saved = resumed.world_size
     epoch, batch = int(state.timestamp.epoch), int(state.timestamp.batch_in_epoch)
-    if batch > 0:
+    if batch > 0 and not resumed.epoch_done:
         raise UnevenInputsError(
             f'this checkpoint was saved by {saved} ranks in the middle of epoch {epoch} (after batch {batch} of it), '
             f'and this run has {world} ranks: which samples each rank has trained in that epoch belongs to the '
             f"{saved} ranks' shards, so resuming on {world} would train some samples twice and skip others. Resume "
-            f'on {saved} ranks, or from a checkpoint saved at an epoch boundary (e.g. save_interval="1ep"), which '
-            f'resumes on any number of ranks.',
+            f'on {saved} ranks, or from a checkpoint saved at an epoch boundary (e.g. save_interval="1ep", or the '
+            f"checkpoint of the epoch's last batch), which resumes on any number of ranks.",
         )
     return True
-
-
-def restore(
-    saved: dict[str, Any],
-) -> tuple[list[EpochReport], Optional[EpochReport], dict[str, Any], Optional[list[dict[str, Any]]]]:
-    """The inverse of :func:`snapshot`: ``(reports, current report, the wrapper's state, per-rank dataset states)``."""
-    current = saved.get('current')
-    return (
-        [EpochReport(**r) for r in saved.get('reports', [])],
-        None if current is None else EpochReport(**current),
-        dict(saved.get('wrapper', {})),
-        saved.get('ranks'),
-    )

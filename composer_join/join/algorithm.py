@@ -64,12 +64,13 @@ from composer_join.core.batches import first_samples
 from composer_join.core.plan import StepPlan, agree_on_length
 from composer_join.core.report import EpochReport
 from composer_join.core.settings import row as settings_row
+from composer_join.data.positions import position_for
 from composer_join.data.resume import (
-    RankDatasets,
+    RankPositions,
+    Resumed,
     check_world_size,
     restore,
     resume_counts,
-    saved_world_size,
     snapshot,
     train_position,
 )
@@ -236,12 +237,9 @@ class UnevenJoin(Algorithm):
         self._shadow = False  # the current microbatch is a stand-in (joined rank, or padding)
         self._stashed_metrics: Optional[tuple[dict, dict]] = None
         self._metric_states = MetricStates()  # list-state metrics made syncable on ranks with no data
-        self._resumed_report: Optional[EpochReport] = None  # the checkpoint's partial epoch, until FIT_START
-        self._wrapper_state: dict[str, Any] = {}  # the checkpoint's wrapper state, until the wrapper exists
+        self._resumed: Optional[Resumed] = None  # what a checkpoint gave, until FIT_START
         self._eval_retry = EvalRetry()  # automatic eval microbatching: undo a retried batch's metric updates
-        self._resumed_world: Optional[int] = None  # the world size that saved the checkpoint, until FIT_START
-        self._rank_datasets: Optional[RankDatasets] = None  # a train dataset that resumes itself, per rank
-        self._resumed_ranks: Optional[list] = None  # the checkpoint's per-rank dataset states, until FIT_START
+        self._positions: Optional[RankPositions] = None  # train data that keeps its own position, per rank
         self._state: Optional[State] = None  # set at every start: composer_join.join.passes asks about microbatches
         self._held: Optional[tuple[Any, list]] = None  # a shadow step's AFTER_DATALOADER: its batch and buffers
         self.pass_seen = False  # set by composer_join.join.passes.join_pass when the Engine runs it
@@ -264,21 +262,23 @@ class UnevenJoin(Algorithm):
     def state_dict(self) -> dict[str, Any]:
         """Saved in Composer checkpoints: the epoch reports (the current one partial) and the wrapper's state.
 
-        With a train dataset that resumes itself, also every rank's own dataset state: then this is
+        With train data that keeps its own position, also every rank's own position: then this is
         collective (one ``all_gather_object``), as Composer's ``State.state_dict()`` is under FSDP:
         Composer calls it on every rank.
         """
-        current = self._train_loader.report if self._train_loader is not None else self._resumed_report
-        wrapper = self._wrapper.state_dict() if self._wrapper is not None else self._wrapper_state
-        ranks = self._rank_datasets.gather() if self._rank_datasets is not None else self._resumed_ranks
-        return {**super().state_dict(), **snapshot(self.reports, current, wrapper, ranks)}
+        resumed, loader = self._resumed, self._train_loader
+        current = loader.report if loader is not None else resumed.current if resumed is not None else None
+        wrapper = self._wrapper.state_dict() if self._wrapper is not None else resumed.wrapper if resumed else {}
+        ranks = self._positions.gather() if self._positions is not None else resumed.ranks if resumed else None
+        done = loader.epoch_done() if loader is not None else resumed.epoch_done if resumed is not None else False
+        return {**super().state_dict(), **snapshot(self.reports, current, wrapper, ranks, done)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Called by Composer when it loads a checkpoint (``load_path``, ``autoresume``), before ``fit``."""
-        self.reports, self._resumed_report, self._wrapper_state, self._resumed_ranks = restore(state)
-        self._resumed_world = saved_world_size(state)
+        self._resumed = restore(state)
+        self.reports = self._resumed.reports
         if self._wrapper is not None:
-            self._wrapper.load_state_dict(self._wrapper_state)
+            self._wrapper.load_state_dict(self._resumed.wrapper)
 
     def match(self, event: Event, state: State) -> bool:
         return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
@@ -296,7 +296,7 @@ class UnevenJoin(Algorithm):
             self._state = state
         if self._wrapper is None:  # chosen once, at the first FIT_START or EVAL_START
             self._wrapper = wrapper_for(state, self._rank)
-            self._wrapper.load_state_dict(self._wrapper_state)
+            self._wrapper.load_state_dict(self._resumed.wrapper if self._resumed is not None else {})
             self._metric_states.to_device = state.device.tensor_to_device
         if event == Event.FIT_START:
             self._fit_start(state)
@@ -354,6 +354,8 @@ class UnevenJoin(Algorithm):
         elif event == Event.FIT_END:
             self._wrapper.fit_end(state)
             restore_split(current_spec(state))  # the train DataSpec splits as it did before fit()
+            if self._positions is not None:
+                self._positions.close()
         elif event in _CHECKPOINTS:
             if checkpoint_due(state, event):
                 self._wrapper.before_checkpoint(state)
@@ -371,8 +373,11 @@ class UnevenJoin(Algorithm):
 
     def _activate(self, state: State) -> bool:
         if self._active is None:
-            why = 'enable=False' if not self.enable else 'world size is 1' if dist.get_world_size() == 1 else None
-            if not self.enable and dist.get_world_size() > 1:
+            world, resumed = dist.get_world_size(), self._resumed
+            resized = resumed is not None and resumed.world_size not in (None, world)
+            # one rank resuming another world size's checkpoint: active, so the check and the epoch boundary hold
+            why = 'enable=False' if not self.enable else 'world size is 1' if world == 1 and not resized else None
+            if not self.enable and world > 1:
                 # Take part in the enabled ranks' first agreement (its only collective): a rank disabled among
                 # enabled ones then stops every rank with an error naming it (composer_join.core.settings).
                 agree_on_length(None, None, state.device.tensor_to_device, self._settings)
@@ -387,10 +392,12 @@ class UnevenJoin(Algorithm):
         return self._active
 
     def _fit_start(self, state: State) -> None:
-        if check_world_size(self._resumed_world, state):  # resumed at an epoch boundary on another world size
-            self._resumed_report = None  # a finished epoch's, of the old ranks
+        resumed, self._resumed = self._resumed, None
+        resized = check_world_size(resumed, state)  # raises mid-epoch on another world size
+        # the checkpoint of an epoch's last batch, on another world size: that epoch ends with no batch
+        finished = resized and int(state.timestamp.batch_in_epoch) > 0
+        if resized:
             self._wrapper.load_state_dict({})  # DDP: buffers are equal on every rank in a checkpoint
-        self._resumed_world = None
         self._train_loader = self._loader = loader = join_dataloader(
             state,
             self._train_loader,
@@ -398,21 +405,17 @@ class UnevenJoin(Algorithm):
             rebalance=self.mode == 'rebalance',
             settings=self._settings,
         )
-        loader.position = lambda: train_position(state)
-        if self._resumed_report is not None:
-            loader.report, self._resumed_report = self._resumed_report, None
-        # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader (left untouched).
-        dataset = state._dataset_of(state.train_dataloader)
-        if RankDatasets.applies(dataset):
-            self._rank_datasets = self._per_rank_datasets(state, dataset, loader)
-            if self._resumed_ranks is not None:
-                resume_counts(
-                    loader,
-                    self._rank_datasets.load(self._resumed_ranks),
-                    self._resumed_ranks,
-                    mid_epoch=int(state.timestamp.sample_in_epoch) > 0,
-                )
-            self._resumed_ranks = None
+        loader.position = lambda: train_position(state, finished)
+        if resumed is not None and resumed.current is not None and (finished or not resized):
+            loader.report = resumed.current  # (at a boundary on another world size: a finished epoch's, of old ranks)
+        self._positions = self._rank_positions(state, loader)
+        if self._positions is not None and resumed is not None and resumed.ranks is not None and not resized:
+            resume_counts(
+                loader,
+                self._positions.load(resumed.ranks),
+                resumed.ranks,
+                mid_epoch=int(state.timestamp.sample_in_epoch) > 0,
+            )
         self._wrapper.fit_start(state, lambda: self.plan)
         if not self.pass_seen:
             raise RuntimeError(
@@ -423,23 +426,29 @@ class UnevenJoin(Algorithm):
         refuse_incompatible(state.algorithms, TEMPLATE_SAMPLES)
         agree_on_closures(state.optimizers, lambda: self.is_shadow_step)
 
-    def _per_rank_datasets(self, state: State, dataset: Any, loader: JoinLoader) -> RankDatasets:
-        """The per-rank resumption of a train dataset that resumes itself; the innermost reader opens it with it."""
-        ranks = self._rank_datasets
-        if ranks is None or ranks.dataset is not dataset:  # one per dataset: its initial position is read once
-            ranks = RankDatasets(
-                state,
-                dataset,
-                loader.own_samples,
-                loader.own_shard_samples,
-                lambda: loader.dataloader.sent_bytes(loader.steps) if isinstance(loader.dataloader, Rebalancer) else 0,
-                count=lambda batch: loader.describe(batch)[0],
-                workers=getattr(state.train_dataloader, 'num_workers', 0) or 0,
-            )
+    def _rank_positions(self, state: State, loader: JoinLoader) -> Optional[RankPositions]:
+        """Per-rank positions for train data that keeps its own (None: left to Composer); its reader opens it."""
+        # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader (left untouched).
+        dataloader = state.train_dataloader
+        reused = self._positions
+        if reused is not None and reused.position.target in (dataloader, state._dataset_of(dataloader)):
+            position = reused.position  # a second fit() on the same data: it knows what it loaded into it
+        else:
+            readahead = isinstance(loader.dataloader, ReadAheadRebalancer)
+            position = position_for(dataloader, state._dataset_of(dataloader), replay=readahead)
+        if position is None:
+            return None
+        positions = RankPositions(
+            state,
+            position,
+            loader.own_samples,
+            loader.own_shard_samples,
+            lambda: loader.dataloader.sent_bytes(loader.steps) if isinstance(loader.dataloader, Rebalancer) else 0,
+            count=lambda batch: loader.describe(batch)[0],
+        )
         reader = loader.dataloader if isinstance(loader.dataloader, Rebalancer) else loader
-        if not isinstance(reader, ReadAheadRebalancer):  # it refuses mid-epoch checkpoints of such a dataset
-            reader.open = ranks.open
-        return ranks
+        reader.open = positions.open
+        return positions
 
     def _eval_start(self, state: State) -> None:
         label = state.dataloader_label
@@ -560,8 +569,8 @@ class UnevenJoin(Algorithm):
     def _epoch_end(self, logger: Logger) -> None:
         self._train_loader.check_ended_together()
         report = self._train_loader.report
-        if isinstance(self._train_loader.dataloader, Rebalancer):
-            self._train_loader.dataloader.complete(report)
+        if isinstance(self._train_loader.dataloader, Rebalancer) and not self._train_loader.finished_on_resume:
+            self._train_loader.dataloader.complete(report)  # (an epoch of the old world size: not this schedule's)
         self.reports.append(report)
         logger.log_metrics(report.metrics())  # type: ignore[arg-type]  # ints are floats to a logger
         if self._rank == 0:

@@ -155,13 +155,15 @@ class JoinLoader:
         self._unreported = 0  # own samples on steps planned from lengths, not yet sent in an agreement
         self.trained = 0  # own real samples yielded in the current epoch (-1: uncountable)
         self.resumed_samples = 0  # own samples trained before a mid-epoch resume the dataset made itself
+        self.finished_on_resume = False  # this iteration ended at once: its epoch was trained before a checkpoint
+        self._pending: Optional[tuple] = None  # the next step's fetch and agreement, while iterating
         self._rank, self._world = dist.get_global_rank(), dist.get_world_size()
-        # Train only: () -> (epoch, first step, steps Composer skips), read when iteration starts
+        # Train only: () -> (epoch, first step, steps Composer skips, finished), read when iteration starts
         # (composer_join.data.resume.train_position), so a mid-epoch resume reshuffles and counts right.
-        self.position: Optional[Callable[[], tuple[int, int, int]]] = None
+        self.position: Optional[Callable[[], tuple[int, int, int, bool]]] = None
         # (dataloader, own samples of the epoch before it) -> its iterator; where the user's dataloader is read
         # (not beneath a Rebalancer): a dataset that resumes itself follows what was read
-        # (composer_join.data.resume.RankDatasets.open)
+        # (composer_join.data.resume.RankPositions.open)
         self.open: Callable[[Iterable, int], Iterator[Any]] = lambda dataloader, offset: iter(dataloader)
 
     def current_plan(self) -> Optional[StepPlan]:
@@ -222,10 +224,16 @@ class JoinLoader:
             sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        first, skipped = 0, 0
+        first, skipped, finished = 0, 0, False
         if self.position is not None:
-            epoch, first, skipped = self.position()
+            epoch, first, skipped, finished = self.position()
             self.set_epoch(epoch)
+        self._pending, self.finished_on_resume = None, finished
+        if finished:  # every batch of the epoch was trained before the checkpoint: end it, reading nothing
+            if self.report.epoch != self.epoch:
+                self.report = EpochReport(epoch=self.epoch, world_size=self._world)
+            self.steps, self._ended = first, True
+            return
         if isinstance(self.dataloader, Rebalancer):
             self.dataloader.start = first  # the dataset resumed itself at step `first` (else 0)
         if isinstance(self.dataloader, Rebalancer):
@@ -240,7 +248,7 @@ class JoinLoader:
         self.trained = self.resumed_samples if first else 0
         planned = self.planned_steps
         step = self.steps = first
-        pending = self._fetch_and_agree(batches, step, planned)
+        pending = self._pending = self._fetch_and_agree(batches, step, planned)
         try:
             while pending is not None:
                 batch, status, error, agreement, local = pending
@@ -269,7 +277,7 @@ class JoinLoader:
                     self.report.record(plan)
                 # Fetch the next batch (and start its agreement) now: it completes while this step trains.
                 # With a known length no batch past it is fetched, unless some rank yields more (self._beyond).
-                pending = (
+                pending = self._pending = (
                     None
                     if self.length is not None and step + 1 >= self.length and not self._beyond
                     else self._fetch_and_agree(batches, step + 1, planned)
@@ -280,7 +288,20 @@ class JoinLoader:
                 yield batch if status.has_batch else first_samples(self.template, 0)
                 step += 1
         finally:
-            self.plan = None
+            self.plan, self._pending = None, None
+
+    def epoch_done(self) -> bool:
+        """Whether the step just yielded is its epoch's last (then a checkpoint taken after it is an epoch boundary).
+
+        Known from the lengths, or from the next step's agreement, already under way on every rank (waited for
+        here, no new collective); False outside an iteration, or where the next step is planned without one.
+        """
+        if self.plan is None:
+            return False
+        if self._pending is None:
+            return True
+        agreement, local = self._pending[3], self._pending[4]
+        return not local and agreement is not None and not agreement.plan().active_ranks
 
     def _fetch_and_agree(self, batches: Iterator[Any], step: int, planned: int):
         """Fetch step ``step``'s batch; start its agreement if it is agreed and not the first agreed step.

@@ -130,7 +130,7 @@ class Rebalancer(abc.ABC):
         self.resumed_bytes = 0
         self.count: Callable[[Any], int] = lambda batch: 0
         # (dataloader, own samples of the epoch before it) -> its iterator (set by the algorithm for a dataset
-        # that resumes itself: composer_join.data.resume.RankDatasets.open)
+        # that resumes itself: composer_join.data.resume.RankPositions.open)
         self.open: Callable[[Iterable, int], Iterator[Any]] = lambda dataloader, offset: iter(dataloader)
 
     @property

@@ -1,0 +1,343 @@
+"""Where one rank stands in its train data, read and restored through its data library's own protocol.
+
+Data libraries keep a position in different ways, and each is spoken to in its own way, by an adapter
+chosen from *what the object is* (its class, looked up along its MRO), never from the shape of its
+methods:
+
+==============================================  =============================  ==========================================
+object (the train dataloader, else its dataset)  adapter                        how the position is read and restored
+==============================================  =============================  ==========================================
+torchdata ``StatefulDataLoader``                 :class:`LoaderPosition`        the loader's ``state_dict()`` after every
+                                                                                batch read; ``load_state_dict``
+litdata ``StreamingDataLoader``                  :class:`LoaderPosition`        the same
+litdata ``StreamingDataset`` (plain loader)      :class:`LitDataPosition`       ``state_dict(samples, workers, batch)``
+                                                                                after every batch read
+Hugging Face ``datasets.IterableDataset``        :func:`hugging_face_position`  ``state_dict()`` after every batch read
+                                                                                (main process, no shuffle buffer), else
+                                                                                replayed (:class:`Replay`)
+mosaicml-streaming ``StreamingDataset``          none                           left to Composer (it splits one global
+                                                                                sample space across ranks itself)
+a class registered with :class:`SampleCountPosition`                           Composer's ``state_dict(num_samples,
+                                                                                from_beginning)``, given this rank's count
+anything else with ``state_dict`` and            none, and rank 0 warns once    as stock Composer: its rank-0
+``load_state_dict``                                                             ``dataset_state``
+anything else                                    none                           Composer replays (spins) the epoch
+==============================================  =============================  ==========================================
+
+A data class of one's own gets an adapter with :func:`register_position`. Who calls what, and when:
+
+* :func:`position_for` builds the adapter once per ``fit()``, at ``FIT_START``, from the train dataloader;
+* the innermost reader of the user's dataloader (the join's loader, or a rebalancer beneath it) calls
+  :meth:`Position.open` on every epoch's fresh iterator and reads the batches it returns (the same ones);
+* :class:`~composer_join.data.resume.RankPositions` calls :meth:`Position.save` on every rank when Composer
+  saves a checkpoint, and :meth:`Position.load` at ``FIT_START`` of a resumed run, before any batch is read.
+
+Example (a dataset of one's own that speaks Composer's protocol)::
+
+    from composer_join import SampleCountPosition, register_position
+
+    register_position(MyShard, SampleCountPosition)  # MyShard.state_dict(num_samples, from_beginning)
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from composer.utils import dist
+
+from composer_join.core.errors import UnevenInputsError
+
+__all__ = [
+    'LitDataPosition',
+    'LoaderPosition',
+    'Position',
+    'Reading',
+    'Replay',
+    'SampleCountPosition',
+    'TrailPosition',
+    'hugging_face_position',
+    'position_for',
+    'register_position',
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the reader of the user's dataloader tells a :class:`Position` when an epoch's iteration opens."""
+
+    count: Callable[[Any], int]
+    """A batch's samples, as Composer counts them (-1: uncountable)."""
+    used: Callable[[], int]
+    """Own samples used so far in the epoch: trained here or (rebalancing) given to another rank."""
+    start: int = 0
+    """Own samples of the epoch before this iteration: nonzero when it continues a restored checkpoint's epoch."""
+
+
+class Position(abc.ABC):
+    """One rank's place in its train data, spoken to through one data library's protocol.
+
+    Args:
+        target: the object that keeps the position (the train dataloader, or its dataset), as registered.
+        dataloader: the train dataloader (its ``num_workers`` and ``batch_size``).
+
+    Subclasses implement :meth:`save` and :meth:`load`; :meth:`open` defaults to ``iter(dataloader)``.
+    :meth:`save` may raise :class:`~composer_join.UnevenInputsError` where the position cannot be given
+    (every rank then stops, the failing rank with its reason).
+    """
+
+    resumes_itself = True
+    """After :meth:`load`, the target starts at the saved position: Composer must not replay the epoch."""
+
+    def __init__(self, target: Any, dataloader: Any):
+        self.target, self.dataloader = target, dataloader
+
+    @property
+    def workers(self) -> int:
+        """The train dataloader's ``num_workers`` (0: read in this process)."""
+        return int(getattr(self.dataloader, 'num_workers', 0) or 0)
+
+    def open(self, dataloader: Iterable, reading: Reading) -> Iterator[Any]:
+        """Every epoch's iteration over the user's dataloader: ``iter(dataloader)``, or the same batches, followed."""
+        return iter(dataloader)
+
+    @abc.abstractmethod
+    def save(self, used: int) -> Any:
+        """The position after ``used`` samples of this rank's own data in the current epoch (0: an epoch boundary).
+
+        Called on every rank when Composer saves a checkpoint; plain, picklable data. ``used`` counts the
+        samples trained here or, rebalancing, given to another rank; the reader may already be a batch or
+        two further (the join reads a step ahead).
+        """
+
+    @abc.abstractmethod
+    def load(self, state: Any) -> None:
+        """Restore :meth:`save`'s ``state`` before the first batch of a resumed run is read."""
+
+
+class SampleCountPosition(Position):
+    """Composer's protocol: ``state_dict(num_samples, from_beginning)`` and ``load_state_dict(state)``.
+
+    Composer would hand the dataset its *global* ``sample_in_epoch`` (every rank's samples); this adapter
+    hands it the samples of this rank's own shard used in the epoch, which is what a per-rank shard
+    resumes from. Register a dataset class of one's own with it (:func:`register_position`).
+    """
+
+    def save(self, used: int) -> Any:
+        return self.target.state_dict(used, True)
+
+    def load(self, state: Any) -> None:
+        self.target.load_state_dict(state)
+
+
+class Replay(Position):
+    """No state of its own in a checkpoint: Composer replays the epoch to the step (its default, "spinning").
+
+    Exact for data that iterates the same way every time (a seeded shuffle included). Used where a library's
+    own position would not be exact (a Hugging Face shuffle buffer is lost on resumption; a dataset read by
+    DataLoader workers keeps its position in the workers' copies); Composer's rank-0 ``dataset_state`` is
+    left out of checkpoints all the same (Composer would call ``state_dict(num_samples, from_beginning)``).
+    """
+
+    resumes_itself = False
+
+    def __init__(self, target: Any, dataloader: Any, why: str = ''):
+        super().__init__(target, dataloader)
+        self.why = why
+
+    def save(self, used: int) -> Any:
+        return None
+
+    def load(self, state: Any) -> None:
+        pass
+
+
+class TrailPosition(Position):
+    """A position to read right after each batch: the library reports where its last read stopped.
+
+    :meth:`open` keeps :meth:`read` after every batch, by the own samples read so far in the epoch;
+    :meth:`save` returns the entry at ``used`` (the join reads ahead, so the library itself is further on)
+    and, at an epoch boundary, :meth:`boundary`. Entries behind ``used`` are dropped as reading goes on, so
+    only the few read ahead are kept. Costs one :meth:`read` and one deep copy per batch.
+
+    A loaded state is applied by the library when the next iteration first reads, which a rank with nothing
+    left in the resumed epoch never does; so the first iteration of a later epoch opens with :meth:`fresh`.
+    """
+
+    def __init__(self, target: Any, dataloader: Any):
+        super().__init__(target, dataloader)
+        self._trail: dict[int, Any] = {}
+        self._loaded: Any = None  # the state load() restored, until the iteration it starts opens
+        self._applied = False  # a state was loaded: the next epoch's iteration must start fresh
+
+    def open(self, dataloader: Iterable, reading: Reading) -> Iterator[Any]:
+        if not reading.start and self._applied:
+            self.fresh()
+        self._applied = bool(reading.start) and self._applied
+        self._trail = {reading.start: self._loaded if reading.start else self.boundary()}
+        self._loaded = None
+        return self._follow(iter(dataloader), reading)
+
+    def _follow(self, batches: Iterator[Any], reading: Reading) -> Iterator[Any]:
+        samples = reading.start
+        for batch in batches:
+            n = reading.count(batch)
+            samples = -1 if min(n, samples) < 0 else samples + n
+            used = reading.used()
+            self._trail = {k: v for k, v in self._trail.items() if k >= used}
+            self._trail[samples] = copy.deepcopy(self.read(samples))
+            yield batch
+
+    @abc.abstractmethod
+    def read(self, samples: int) -> Any:
+        """The library's position now, right after a batch was read (``samples``: own samples read in the epoch)."""
+
+    def boundary(self) -> Any:
+        """What a checkpoint at an epoch boundary holds: by default none (the next epoch starts fresh by itself)."""
+        return None
+
+    def fresh(self) -> None:
+        """Make the next iteration start its epoch from the beginning, after a loaded state (by default: nothing)."""
+
+    def save(self, used: int) -> Any:
+        if not used:
+            return self.boundary()
+        if used not in self._trail:
+            raise UnevenInputsError(
+                f'the position of the train data ({type(self.target).__name__}) after {used} samples of this epoch '
+                'is not known (its batches could not be counted); a mid-epoch checkpoint cannot resume it exactly'
+            )
+        return self._trail[used]
+
+    def load(self, state: Any) -> None:
+        self._loaded = state
+        if state is not None:
+            self.target.load_state_dict(copy.deepcopy(state))
+            self._applied = True
+
+
+class HuggingFacePosition(TrailPosition):
+    """Hugging Face ``datasets.IterableDataset``: ``state_dict()`` is where the last read stopped.
+
+    A fresh iteration starts from the beginning unless a state was loaded, whatever was read before (a peek,
+    a count): the epoch boundary is "no state". A loaded state applies to every later iteration of the same
+    epoch number (``set_epoch``), so the epoch after a resumed one opens with it taken back
+    (``load_state_dict({})``, an empty state: nothing to resume from).
+    """
+
+    def read(self, samples: int) -> Any:
+        return self.target.state_dict()
+
+    def fresh(self) -> None:
+        self.target.load_state_dict({})
+
+
+def hugging_face_position(dataset: Any, dataloader: Any) -> Position:
+    """:class:`HuggingFacePosition` where its state is exact; else :class:`Replay` (Composer replays the epoch)."""
+    if int(getattr(dataloader, 'num_workers', 0) or 0) > 0:
+        return Replay(dataset, dataloader, "read by DataLoader workers: its state_dict() stays in the workers' copies")
+    from composer_join.core.compat import hf_shuffle_buffer
+
+    if hf_shuffle_buffer(dataset):
+        return Replay(dataset, dataloader, 'it shuffles with a buffer, which its state_dict() does not hold')
+    return HuggingFacePosition(dataset, dataloader)
+
+
+class LitDataPosition(TrailPosition):
+    """litdata's ``StreamingDataset`` read by a plain DataLoader: ``state_dict(num_samples_yielded, num_workers,
+    batch_size)`` with this rank's count, read after every batch (its epoch counter moves as an iteration ends)."""
+
+    def read(self, samples: int) -> Any:
+        return self.target.state_dict(samples, self.workers, getattr(self.dataloader, 'batch_size', None) or 1)
+
+
+class LoaderPosition(TrailPosition):
+    """A dataloader that keeps its own position (torchdata's ``StatefulDataLoader``, litdata's
+    ``StreamingDataLoader``): its ``state_dict()`` after every batch read, DataLoader workers included."""
+
+    def read(self, samples: int) -> Any:
+        return self.target.state_dict()
+
+
+Factory = Callable[[Any, Any], Optional[Position]]
+_REGISTRY: dict[Union[type, str], Optional[Factory]] = {
+    'torchdata.stateful_dataloader.stateful_dataloader.StatefulDataLoader': LoaderPosition,
+    'litdata.streaming.dataloader.StreamingDataLoader': LoaderPosition,
+    'litdata.streaming.dataset.StreamingDataset': LitDataPosition,
+    'datasets.iterable_dataset.IterableDataset': hugging_face_position,
+    'streaming.base.dataset.StreamingDataset': None,  # mosaicml-streaming: Composer resumes it
+}
+_WARNED: set[type] = set()
+
+
+def register_position(kind: Union[type, str], adapter: Optional[Factory]) -> None:
+    """Speak to ``kind`` (a class, or its ``'module.QualName'``) and its subclasses through ``adapter``.
+
+    ``adapter``: a :class:`Position` subclass, or a function ``(target, train dataloader) -> Position``;
+    ``None`` leaves the class to Composer (no warning). A later registration for the same class replaces
+    the earlier one. Registered in every rank's process (at import of the module that defines the data).
+    """
+    if not isinstance(kind, (type, str)):
+        raise TypeError(f'register_position(kind, ...) takes a class or its qualified name; got {kind!r}')
+    if adapter is not None and not callable(adapter):
+        raise TypeError(
+            f'register_position(..., adapter) takes a Position subclass, a function or None; got {adapter!r}'
+        )
+    _REGISTRY[kind] = adapter
+
+
+def _lookup(obj: Any) -> tuple[bool, Optional[Factory]]:
+    """``(registered, adapter)`` for ``obj``'s class or its nearest registered base class."""
+    for cls in type(obj).__mro__:
+        for key in (cls, f'{cls.__module__}.{cls.__qualname__}'):
+            if key in _REGISTRY:
+                return True, _REGISTRY[key]
+    return False, None
+
+
+def position_for(dataloader: Any, dataset: Any, replay: bool = False) -> Optional[Position]:
+    """The adapter for this rank's train data (the dataloader first, then its dataset), or None (left to Composer).
+
+    ``replay``: the position cannot be read as the batches are (rebalancing without ``len()`` reads ahead into
+    buffers no checkpoint holds): a recognised object is replayed (:class:`Replay`) instead. A dataset that has
+    ``state_dict`` and ``load_state_dict`` but no adapter is left to Composer as stock Composer treats it (its
+    rank-0 ``dataset_state``); rank 0 warns once per class.
+    """
+    for target in (dataloader, dataset):
+        if target is None:
+            continue
+        registered, adapter = _lookup(target)
+        if not registered:
+            continue
+        position = None if adapter is None else adapter(target, dataloader)
+        if replay and position is not None and position.resumes_itself:
+            why = 'rebalancing without len() reads ahead into buffers that a checkpoint does not hold'
+            position = Replay(target, dataloader, why)
+        if isinstance(position, Replay):
+            log.info('UnevenJoin: %s is replayed on resumption (%s).', type(target).__name__, position.why)
+        return position
+    if dataset is not None and _has_state(dataset) and type(dataset) not in _WARNED:
+        _WARNED.add(type(dataset))
+        if dist.get_global_rank() == 0:
+            cls = type(dataset)
+            warnings.warn(
+                f'UnevenJoin does not know how {cls.__module__}.{cls.__qualname__} keeps its position (it has '
+                "state_dict and load_state_dict): it is left to Composer, which saves rank 0's dataset state, "
+                'calling state_dict(num_samples, from_beginning) with the global sample count, and loads it into '
+                "every rank's dataset. If each rank's dataset keeps its own position, register an adapter: "
+                "composer_join.register_position(YourDataset, composer_join.SampleCountPosition) for Composer's "
+                'protocol, or a composer_join.Position subclass of your own (docs/data-pipelines.md).',
+                stacklevel=2,
+            )
+    return None
+
+
+def _has_state(obj: Any) -> bool:
+    return callable(getattr(obj, 'state_dict', None)) and callable(getattr(obj, 'load_state_dict', None))

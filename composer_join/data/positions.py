@@ -62,6 +62,7 @@ __all__ = [
     'SampleCountPosition',
     'TrailPosition',
     'hugging_face_position',
+    'litdata_position',
     'position_for',
     'register_position',
 ]
@@ -251,11 +252,31 @@ def hugging_face_position(dataset: Any, dataloader: Any) -> Position:
 
 
 class LitDataPosition(TrailPosition):
-    """litdata's ``StreamingDataset`` read by a plain DataLoader: ``state_dict(num_samples_yielded, num_workers,
-    batch_size)`` with this rank's count, read after every batch (its epoch counter moves as an iteration ends)."""
+    """litdata's ``StreamingDataset`` read by a plain DataLoader in this process: ``state_dict(num_samples_yielded,
+    num_workers, batch_size)`` with this rank's count, read after every batch (its epoch counter moves when an
+    iteration ends), and with the dataset's own ``batch_size`` (a plain DataLoader sets none: 1) and one worker
+    (this process): other values make litdata re-split the data over the ranks ("elastic") when it resumes.
+    At a boundary, the position at 0 samples (it carries the epoch counter); a loaded state it has not used
+    when its epoch ends is dropped (``reset_state_dict``)."""
 
     def read(self, samples: int) -> Any:
-        return self.target.state_dict(samples, self.workers, getattr(self.dataloader, 'batch_size', None) or 1)
+        return self.target.state_dict(samples, 1, self.target.batch_size)
+
+    def boundary(self) -> Any:
+        return copy.deepcopy(self.read(0))
+
+    def fresh(self) -> None:
+        self.target.reset_state_dict()
+
+
+def litdata_position(dataset: Any, dataloader: Any) -> Position:
+    """:class:`LitDataPosition` in this process; replayed when DataLoader workers read it (litdata counts its
+    position by workers only in its own ``StreamingDataLoader``)."""
+    if int(getattr(dataloader, 'num_workers', 0) or 0) > 0:
+        return Replay(
+            dataset, dataloader, 'read by the workers of a plain DataLoader (use litdata.StreamingDataLoader)'
+        )
+    return LitDataPosition(dataset, dataloader)
 
 
 class LoaderPosition(TrailPosition):
@@ -270,7 +291,7 @@ Factory = Callable[[Any, Any], Optional[Position]]
 _REGISTRY: dict[Union[type, str], Optional[Factory]] = {
     'torchdata.stateful_dataloader.stateful_dataloader.StatefulDataLoader': LoaderPosition,
     'litdata.streaming.dataloader.StreamingDataLoader': LoaderPosition,
-    'litdata.streaming.dataset.StreamingDataset': LitDataPosition,
+    'litdata.streaming.dataset.StreamingDataset': litdata_position,
     'datasets.iterable_dataset.IterableDataset': hugging_face_position,
     'streaming.base.dataset.StreamingDataset': None,  # mosaicml-streaming: Composer resumes it
 }

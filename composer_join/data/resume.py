@@ -100,6 +100,8 @@ class RankPositions:
         position: this rank's adapter (:func:`~composer_join.data.positions.position_for`).
         trained: ``() -> samples this rank trained in the current epoch`` (its report count).
         used: ``() -> samples of this rank's shard used in the current epoch`` (trained, or given away).
+        ended: ``() -> whether this rank's own data has ended in the current epoch`` (every batch trained: a
+            library may start a new epoch when such a position is loaded, so the resumed rank reads nothing).
         sent: ``() -> bytes this rank sent in the current epoch`` (``mode='rebalance'``).
         count: ``batch -> its samples`` (-1 if uncountable), as Composer counts them.
 
@@ -117,9 +119,10 @@ class RankPositions:
         used: Callable[[], int],
         sent: Callable[[], int] = lambda: 0,
         count: Callable[[Any], int] = lambda batch: -1,
+        ended: Callable[[], bool] = lambda: False,
     ):
         self.state, self.position, self.trained, self.used, self.sent = state, position, trained, used, sent
-        self.count = count
+        self.count, self.ended = count, ended
         self._resumed_at = 0  # own samples of the epoch a loaded state resumes after, until its iteration opens
         self._left_out = (
             not isinstance(position, SampleCountPosition) and 'dataset_state' in state.serialized_attributes
@@ -140,7 +143,7 @@ class RankPositions:
         return self.position.open(dataloader, Reading(self.count, self.used, start))
 
     def gather(self) -> Optional[list[dict[str, Any]]]:
-        """Per rank: ``{'trained', 'used', 'sent', 'dataset'}`` (its position). One ``all_gather_object``.
+        """Per rank: ``{'trained', 'used', 'sent', 'ended', 'dataset'}`` (its position). One ``all_gather_object``.
 
         None (no collective) where the adapter replays instead. If some rank cannot give its position, every
         rank raises :class:`UnevenInputsError` (that rank with why).
@@ -154,6 +157,7 @@ class RankPositions:
                 'trained': self.trained() if num_samples else 0,
                 'used': used,
                 'sent': self.sent() if num_samples else 0,
+                'ended': bool(num_samples) and self.ended(),
                 'dataset': self.position.save(used),
             }
             error: Optional[UnevenInputsError] = None
@@ -198,7 +202,7 @@ def resume_counts(loader: Any, own: dict[str, Any], saved: list[dict[str, Any]],
     """
     if not mid_epoch:
         return
-    loader.resumed_samples = own['trained']
+    loader.resumed_samples, loader.resumed_ended = own['trained'], bool(own.get('ended', False))
     if isinstance(loader.dataloader, Rebalancer):  # mode='rebalance': its shard's samples, given ones too
         loader.dataloader.resumed_samples, loader.dataloader.resumed_bytes = own['used'], own.get('sent', 0)
     loader.report.real_samples = [int(entry['trained']) for entry in saved]

@@ -445,6 +445,7 @@ class UnevenJoin(Algorithm):
             loader.own_shard_samples,
             lambda: loader.dataloader.sent_bytes(loader.steps) if isinstance(loader.dataloader, Rebalancer) else 0,
             count=lambda batch: loader.describe(batch)[0],
+            ended=loader.own_data_ended,
         )
         reader = loader.dataloader if isinstance(loader.dataloader, Rebalancer) else loader
         reader.open = positions.open

@@ -155,6 +155,7 @@ class JoinLoader:
         self._unreported = 0  # own samples on steps planned from lengths, not yet sent in an agreement
         self.trained = 0  # own real samples yielded in the current epoch (-1: uncountable)
         self.resumed_samples = 0  # own samples trained before a mid-epoch resume the dataset made itself
+        self.resumed_ended = False  # and this rank's own data had ended then: the resumed iteration reads nothing
         self.finished_on_resume = False  # this iteration ended at once: its epoch was trained before a checkpoint
         self._pending: Optional[tuple] = None  # the next step's fetch and agreement, while iterating
         self._rank, self._world = dist.get_global_rank(), dist.get_world_size()
@@ -188,6 +189,12 @@ class JoinLoader:
     def own_samples(self) -> int:
         """Samples this rank has trained in the current epoch so far, up to the last batch it yielded (-1 if uncountable)."""
         return self.trained
+
+    def own_data_ended(self) -> bool:
+        """Whether this rank's own dataloader has ended in the current epoch, every batch of it yielded (not rebalancing)."""
+        if isinstance(self.dataloader, Rebalancer) or not self._exhausted or self._peeked:
+            return False
+        return self._pending is None or not self._pending[1].has_batch  # no batch fetched for the next step
 
     def own_shard_samples(self) -> int:
         """Samples of this rank's own dataloader used in the current epoch so far: trained here, or (rebalance) given away."""
@@ -240,10 +247,12 @@ class JoinLoader:
             batches = iter(self.dataloader)
         else:
             batches = self.open(self.dataloader, self.resumed_samples if first else 0)
+        # a position loaded where this rank's data had ended may start the library's next epoch: read nothing
+        ended_before = bool(first) and self.resumed_ended and not isinstance(self.dataloader, Rebalancer)
         if first + skipped == 0 or self.report.epoch != self.epoch:  # else: resuming the report's epoch
             self.report = EpochReport(epoch=self.epoch, world_size=self._world)
         self._ended, self._failure, self._unreported = False, None, 0
-        self._exhausted, self._peeked, self._beyond = False, [], False
+        self._exhausted, self._peeked, self._beyond = ended_before, [], False
         may_go_beyond, self.uncapped = self.uncapped, False
         self.trained = self.resumed_samples if first else 0
         planned = self.planned_steps

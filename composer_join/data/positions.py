@@ -2,27 +2,18 @@
 
 Data libraries keep a position in different ways, and each is spoken to in its own way, by an adapter
 chosen from *what the object is* (its class, looked up along its MRO), never from the shape of its
-methods:
+methods; the train dataloader is looked up first, then its dataset:
 
-==============================================  =============================  ==========================================
-object (the train dataloader, else its dataset)  adapter                        how the position is read and restored
-==============================================  =============================  ==========================================
-torchdata ``StatefulDataLoader``                 :class:`LoaderPosition`        the loader's ``state_dict()`` after every
-                                                                                batch read; ``load_state_dict``
-litdata ``StreamingDataLoader``                  :class:`LoaderPosition`        the same
-litdata ``StreamingDataset`` (plain loader)      :class:`LitDataPosition`       ``state_dict(samples, workers, batch)``
-                                                                                after every batch read
-Hugging Face ``datasets.IterableDataset``        :func:`hugging_face_position`  ``state_dict()`` after every batch read
-                                                                                (main process, no shuffle buffer), else
-                                                                                replayed (:class:`Replay`)
-mosaicml-streaming ``StreamingDataset``          none                           left to Composer (it splits one global
-                                                                                sample space across ranks itself)
-a class registered with :class:`SampleCountPosition`                           Composer's ``state_dict(num_samples,
-                                                                                from_beginning)``, given this rank's count
-anything else with ``state_dict`` and            none, and rank 0 warns once    as stock Composer: its rank-0
-``load_state_dict``                                                             ``dataset_state``
-anything else                                    none                           Composer replays (spins) the epoch
-==============================================  =============================  ==========================================
+* torchdata's ``StatefulDataLoader`` and litdata's ``StreamingDataLoader``: :class:`LoaderPosition`, the
+  loader's ``state_dict()`` after every batch read, ``load_state_dict`` on resuming;
+* litdata's ``StreamingDataset`` in a plain DataLoader: :class:`LitDataPosition` (replayed with workers);
+* Hugging Face ``datasets.IterableDataset``: :class:`HuggingFacePosition`, its ``state_dict()`` after every
+  batch read (replayed with workers, or with a shuffle buffer: :func:`hugging_face_position`);
+* mosaicml-streaming's ``StreamingDataset``: none, left to Composer (one global sample space);
+* a class registered with :class:`SampleCountPosition`: Composer's ``state_dict(num_samples,
+  from_beginning)``, given this rank's own count;
+* anything else with ``state_dict`` and ``load_state_dict``: none, left to Composer as stock Composer treats
+  it (its rank-0 ``dataset_state``), and rank 0 warns once; anything else: Composer replays the epoch.
 
 A data class of one's own gets an adapter with :func:`register_position`. Who calls what, and when:
 

@@ -83,3 +83,23 @@ def generate_ids(files: list[list[int]]):
     for ids in files:
         for i in ids:
             yield {'id': i}
+
+
+def kept(i: int) -> bool:
+    """The ids a data-dependent filter keeps (Hugging Face ``.filter()`` rows): those not divisible by 3."""
+    return i % 3 != 0
+
+
+def keep_row(row: dict) -> bool:
+    """Hugging Face ``.filter()``: whether to keep a row ``{'id': ...}``."""
+    return kept(int(row['id']))
+
+
+def wds_id(sample: dict) -> int:
+    """webdataset: the id of a sample read from a tar shard (its ``.cls`` member, the id as text)."""
+    return int(sample['cls'])
+
+
+def id_row(i: int) -> dict:
+    """``litdata.optimize``: the row written for input ``i``."""
+    return {'id': i}

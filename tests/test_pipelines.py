@@ -9,8 +9,10 @@ Each case is a 2-epoch fit on 2 ranks (an evaluation after each epoch, then ``pr
 * every evaluation's metrics equal to one process evaluating all eval ids with that evaluation's weights;
 * the user's dataloader, dataset and sampler left as they were (attribute names; they still pickle; a dataset
   of these tests pickles to the same bytes);
-* with ``resume_at``: a run resumed from the checkpoint at that batch (mid-epoch 0) trains the same ids at
-  every later step and ends with the same weights as the uninterrupted run.
+* with ``resume_at``: a run resumed from each checkpoint it names trains the same ids at every later step and ends
+  with the same weights as the uninterrupted run. A position is a batch ``k`` (the checkpoint after batch ``k`` of
+  epoch 0, mid-epoch), ``'epoch_end'`` (the checkpoint after epoch 0's last batch: still in epoch 0, its data all
+  read) or ``'ep1'`` (the epoch checkpoint Composer saves after epoch 0 ends, at epoch 1's start).
 
 Refused rows must stop every rank with an error that says what to use instead.
 
@@ -34,10 +36,33 @@ hf_map_w2_forkserver_persistent_rebalance        map-style + split_dataset_by_no
 hf_map_w0_shadow                            map-style + split_dataset_by_node  0        shadow     yes
 streaming_w0_shadow                         local StreamingDataset  0                   shadow     yes
 streaming_w2_rebalance                      local StreamingDataset  2                   rebalance  no
+wds_w0_shadow_short_first                   webdataset tar shards, split_by_node, no len  0   shadow     2
+wds_w2_rebalance                            webdataset, split_by_worker, no len  2          rebalance  no
+wds_webloader_w2_shadow                     webdataset batched, WebLoader (not a DataLoader)  2  shadow  no
+sdl_map_uneven_w2_shadow_short_first        StatefulDataLoader, uneven DistributedSampler  2  shadow  2, ep1
+sdl_iter_exact_w0_rebalance                 StatefulDataLoader, IterableDataset, exact len  0  rebalance  2, epoch_end
+litdata_sdl_w2_shadow                       litdata StreamingDataset + StreamingDataLoader (4/11)  2  shadow  2
+litdata_torch_w0_rebalance                  litdata StreamingDataset + torch DataLoader (4/5)  0  rebalance  epoch_end
+hf_filter_shuffle_w0_shadow                 HF split_dataset_by_node, .filter(), .shuffle(buffer) (6/4)  0  shadow  1, epoch_end
+hf_filter_shuffle_w2_rebalance_short_first  the same, another seed (4/6)  2          rebalance  ep1
+hf_read_before_fit_w0_shadow                the same, next(iter(dataset)) before fit()  0  shadow     ep1
+hf_count_before_fit_w0_rebalance_short_first  the same, every row read before fit()  0     rebalance  ep1
+refused: wds_len_high_w0_shadow             webdataset .with_length(whole dataset): len() overcounts on every rank
 refused: hf_iterable_w2_resume              HF iterable, 2 workers, mid-epoch checkpoint: stops every rank
 refused: iter_under_w2_rebalance_short_first  IterableDataset, len undercounts, 2 workers, rebalance: stops every rank
 refused: hf_iterable_w0_rebalance_resume    HF iterable (no len) rebalancing, mid-epoch checkpoint: stops every rank
 =========================================  ===============  ==========================  =========  ======
+
+The last rows (issue 33) run real data libraries: webdataset 1.0 (tar shards written into the launch's folder;
+``split_by_node`` gives each rank every other shard, so the ranks' counts follow the shard sizes), torchdata 0.11's
+``StatefulDataLoader`` (Composer never asks the loader for its state: it resumes by spinning), litdata 0.2.76
+(``optimize()``d into the launch's folder; ``StreamingDataset(drop_last=False)`` splits the samples over the ranks
+itself: 4/11 of 15 through its ``StreamingDataLoader``, 4/5 of 9 through a torch ``DataLoader``) and Hugging Face
+``datasets`` with a data-dependent ``.filter()`` after ``split_dataset_by_node`` and a shuffle buffer, read before
+``fit()`` in two rows. Known failures on 0.1.x (docs/data-pipelines.md): the litdata rows (``TypeError`` at
+``FIT_START``: litdata's ``state_dict`` takes three arguments), the HF rows resumed mid-epoch through a shuffle buffer
+(Hugging Face's state drops the buffer's content) and the HF rows read before ``fit()`` (the epoch start UnevenJoin
+saves is where that read stopped).
 
 Risky pairs: persistent workers x evaluation (every case evaluates twice, predicts after), a pickling worker
 start x Hugging Face (the forkserver case), undercounting len() x both modes (shadow trains, rebalance refuses;
@@ -62,7 +87,7 @@ import pytest
 import torch
 
 from harness import RankError, launch
-from pipeline_data import EVAL_IDS, X, Y
+from pipeline_data import EVAL_IDS, X, Y, kept
 from reference import max_abs_diff
 from test_join_core import ok
 from toy import make_module, per_sample_loss
@@ -74,6 +99,9 @@ SPAWN = dict(W2, start='spawn')
 FORKSERVER = dict(W2, start='forkserver')
 PERSISTENT = dict(persistent=True, prefetch=4)
 HF_FILES, HF_EVAL_FILES = [7, 3, 3, 2], [4, 1, 2, 2]  # uneven 'files', their shards split over 2 ranks
+# webdataset shard sizes: rank r reads shards r::2 (split_by_node), worker w of 2 the shards w::2 of those
+WDS_SHORT_FIRST, WDS_SHORT_LAST = [1, 4, 2, 3, 1, 3], [4, 1, 3, 2, 3, 1]  # 4/10 and 10/4 samples
+WDS_EVAL = [3, 2, 2, 1]  # 5/3
 
 CASES: dict[str, dict] = {
     'map_exact_w0_shadow': dict(BASE, data='exact_sampler', sizes=[10, 5], resume_at=2),
@@ -122,8 +150,73 @@ CASES: dict[str, dict] = {
         resume_at=2,
         max_duration='6ba',
     ),
+    # webdataset: tar shards, split_by_node gives rank r the shards r::2 (the sizes of the shards, in order)
+    'wds_w0_shadow_short_first': dict(
+        BASE, data='wds', sizes=WDS_SHORT_FIRST, eval_sizes=WDS_EVAL, resume_at=2, max_duration='6ba'
+    ),
+    'wds_w2_rebalance': dict(
+        BASE, **W2, data='wds', sizes=WDS_SHORT_LAST, eval_sizes=WDS_EVAL, mode='rebalance', max_duration='6ba'
+    ),
+    'wds_webloader_w2_shadow': dict(
+        BASE, **W2, loader='webloader', data='wds', sizes=WDS_SHORT_LAST, eval_sizes=WDS_EVAL, max_duration='6ba'
+    ),
+    # torchdata's StatefulDataLoader (Composer ignores its state_dict: it resumes by spinning)
+    'sdl_map_uneven_w2_shadow_short_first': dict(
+        BASE, **W2, loader='stateful', data='uneven_sampler', sizes=[5, 10], resume_at=(2, 'ep1')
+    ),
+    'sdl_iter_exact_w0_rebalance': dict(
+        BASE, loader='stateful', data='iterable_exact', sizes=[10, 5], mode='rebalance', resume_at=(2, 'epoch_end')
+    ),
+    # litdata: optimize()d into a local folder; it splits the samples over the ranks itself (drop_last=False)
+    'litdata_sdl_w2_shadow': dict(
+        BASE, **W2, loader='litdata', data='litdata', sizes=[15], eval_sizes=[9], resume_at=2
+    ),
+    'litdata_torch_w0_rebalance': dict(
+        BASE, data='litdata', sizes=[9], eval_sizes=[9], mode='rebalance', resume_at='epoch_end'
+    ),
+    # Hugging Face: split_dataset_by_node, a data-dependent filter, a shuffle buffer (seed 0: 6/4 rows, seed 2: 4/6)
+    'hf_filter_shuffle_w0_shadow': dict(
+        BASE, data='hf_filter', seed=0, sizes=[16], eval_sizes=[10], resume_at=(1, 'epoch_end'), max_duration='4ba'
+    ),
+    'hf_filter_shuffle_w2_rebalance_short_first': dict(
+        BASE,
+        **W2,
+        data='hf_filter',
+        seed=2,
+        sizes=[16],
+        eval_sizes=[10],
+        mode='rebalance',
+        resume_at='ep1',
+        max_duration='4ba',
+    ),
+    'hf_read_before_fit_w0_shadow': dict(
+        BASE,
+        data='hf_filter',
+        read_before='next',
+        seed=0,
+        sizes=[16],
+        eval_sizes=[10],
+        resume_at='ep1',
+        max_duration='4ba',
+    ),
+    'hf_count_before_fit_w0_rebalance_short_first': dict(
+        BASE,
+        data='hf_filter',
+        read_before='count',
+        seed=2,
+        sizes=[16],
+        eval_sizes=[10],
+        mode='rebalance',
+        resume_at='ep1',
+        max_duration='4ba',
+    ),
 }
 REFUSED: dict[str, tuple[dict, str]] = {  # case -> (cfg, what the error must advise)
+    # webdataset's with_length(n) with the whole dataset's n on every rank: a len() that overcounts
+    'wds_len_high_w0_shadow': (
+        dict(BASE, data='wds_len_high', sizes=WDS_SHORT_LAST, eval_sizes=WDS_EVAL, pickles=False),
+        'remove __len__',
+    ),
     # rebalancing plans every batch from the len()s: one that undercounts stops every rank (docs/rebalancing.md)
     'iter_under_w2_rebalance_short_first': (
         dict(BASE, **W2, data='iterable_under', sizes=[5, 10], mode='rebalance'),
@@ -185,6 +278,12 @@ def evaluated(flat: torch.Tensor, ids: list[int]) -> dict[str, float]:
     }
 
 
+def expected_ids(cfg: dict, first: int, sizes: list[int]) -> list[int]:
+    """The ids a row's data holds, from ``first``: all of them, or those its filter keeps."""
+    ids = range(first, first + sum(sizes))
+    return [i for i in ids if kept(i)] if cfg.get('data') == 'hf_filter' else list(ids)
+
+
 def per_epoch(per_rank: list[dict]) -> dict[int, list[int]]:
     """Every id trained in each epoch, over all ranks, sorted."""
     out: dict[int, list[int]] = {}
@@ -199,7 +298,7 @@ def test_pipeline_case_is_exact(runs, name):
     cfg = CASES[name]
     results = ok(runs, name)
     full = [r['full'] for r in results]
-    train_ids, eval_ids = list(range(sum(cfg['sizes']))), list(range(EVAL_IDS, EVAL_IDS + sum(cfg['eval_sizes'])))
+    train_ids, eval_ids = expected_ids(cfg, 0, cfg['sizes']), expected_ids(cfg, EVAL_IDS, cfg['eval_sizes'])
     epochs = per_epoch(full)  # 2 or more (max_duration in batches without len())
     assert len(epochs) >= 2 and all(ids == train_ids for ids in epochs.values()), f'{name}: not every id once per epoch'
     for rank, res in enumerate(full):
@@ -223,14 +322,26 @@ def test_pipeline_case_is_exact(runs, name):
         for run in res.values():
             before, after = run['user_objects']
             assert before == after, f'{name}: rank {rank} changed the user objects: {before} -> {after}'
-            assert run['pickles'] == {'dataset': True, 'sampler': True}, run['pickles']
-    if cfg.get('resume_at') is not None:
-        k = cfg['resume_at']
+            pickled, still = run['pickles']  # before fit() and after it
+            if cfg['data'] != 'streaming':  # its dataset keeps its reader threads (a Lock) once read, stock too
+                assert still == pickled, f'{name}: rank {rank}: pickles {pickled} before fit(), {still} after'
+            if cfg.get('pickles', True):  # False: the user's dataset does not pickle to begin with
+                assert pickled == {'dataset': True, 'sampler': True}, pickled
+    from scenarios_pipelines import resume_positions  # imports Composer: only when a case is checked
+
+    positions = resume_positions(cfg)
+    assert sorted(results[0]) == sorted(['full'] + [f'resumed@{at}' for at in positions]), sorted(results[0])
+    for at in positions:
         for rank, res in enumerate(results):
+            resumed = res[f'resumed@{at}']
+            k = resumed['resumed_from']
+            assert (
+                k == at if isinstance(at, int) else k == 1 + max(s for s, (e, _) in full[0]['steps'].items() if e == 0)
+            )
             later = {s: v for s, v in res['full']['steps'].items() if s >= k}
-            assert res['resumed']['steps'] == later, f'{name}: rank {rank} resumed different steps'
-            diff = max_abs_diff(res['resumed']['params'], res['full']['params'])
-            assert diff < 1e-6, f'{name}: rank {rank} resumed {diff:.2e} from the uninterrupted run'
+            assert resumed['steps'] == later, f'{name}: rank {rank} resumed @{at} different steps'
+            diff = max_abs_diff(resumed['params'], res['full']['params'])
+            assert diff < 1e-6, f'{name}: rank {rank} resumed @{at} {diff:.2e} from the uninterrupted run'
 
 
 @pytest.mark.parametrize('name', list(REFUSED))
@@ -274,7 +385,7 @@ def stock_outcome(cfg: dict, per_rank: list[dict]) -> str:
         twice = len(ids) - len(set(ids))
         return f'{len(set(ids))} of {total}' + (f' ({twice} more than once)' if twice else '')
 
-    parts = [f'trains {counted(trained, sum(cfg["sizes"]))}']
+    parts = [f'trains {counted(trained, len(expected_ids(cfg, 0, cfg["sizes"])))}']
     errors = sorted({res['error'][0] + ': ' + res['error'][1].splitlines()[0] for res in per_rank if res['error']})
     if errors:
         raised = [rank for rank, res in enumerate(per_rank) if res['error']]
@@ -282,7 +393,7 @@ def stock_outcome(cfg: dict, per_rank: list[dict]) -> str:
         after = max(len(res['steps']) for res in per_rank)
         parts.append(f'{who}raises `{" / ".join(errors)}` after batch {after}')
     else:
-        parts.append(f'evaluates {counted(evaluated, sum(cfg["eval_sizes"]))}')
+        parts.append(f'evaluates {counted(evaluated, len(expected_ids(cfg, EVAL_IDS, cfg["eval_sizes"])))}')
     return ', '.join(parts)
 
 
@@ -334,7 +445,8 @@ def test_the_workers_data_module_imports_neither_composer_nor_the_harness():
     # for what it imports (torch's ~3 s of CPU is the floor; Composer would add ~8 s)
     code = (
         'import sys; import pipeline_data; '
-        "heavy = sorted(m for m in ('composer', 'composer_join', 'harness', 'rank_scenarios', 'datasets', 'streaming') "
+        "heavy = sorted(m for m in ('composer', 'composer_join', 'harness', 'rank_scenarios', 'datasets', 'streaming', "
+        "'webdataset', 'litdata', 'torchdata') "
         'if m in sys.modules); print(heavy)'
     )
     out = subprocess.run(

@@ -353,7 +353,14 @@ def fit(cfg: dict, folder: str, **kwargs) -> dict[str, Any]:
         'predict_len': len(predicting) if _sized(predicting) else None,
         'user_objects': (before, user_objects(train)),
         'pickles': (pickled, pickles(train)),
+        'position': position_of(join),
     }
+
+
+def position_of(join: list) -> Optional[str]:
+    """The adapter UnevenJoin chose for the train data (its class name), None where it left the data to Composer."""
+    positions = join[0]._positions if join else None
+    return type(positions.position).__name__ if positions is not None else None
 
 
 def _microbatch(train: Any) -> dict[str, Any]:

@@ -344,6 +344,28 @@ def test_pipeline_case_is_exact(runs, name):
             assert diff < 1e-6, f'{name}: rank {rank} resumed @{at} {diff:.2e} from the uninterrupted run'
 
 
+# the adapter chosen by what the data is (composer_join.data.positions), for a row of each kind
+POSITIONS = {
+    'sdl_map_uneven_w2_shadow_short_first': 'LoaderPosition',  # torchdata's StatefulDataLoader
+    'sdl_iter_exact_w0_rebalance': 'LoaderPosition',
+    'litdata_sdl_w2_shadow': 'LoaderPosition',  # litdata's StreamingDataLoader
+    'litdata_torch_w0_rebalance': 'LitDataPosition',  # litdata's StreamingDataset in a torch DataLoader
+    'hf_iterable_w0_shadow': 'HuggingFacePosition',
+    'hf_read_before_fit_w0_shadow': 'Replay',  # a shuffle buffer
+    'hf_iterable_w2_resume': 'Replay',  # DataLoader workers
+    'hf_iterable_w0_rebalance_resume': 'Replay',  # rebalancing without len()
+    'plain_state_w0_rebalance': 'PlainStatePosition',  # registered by the tests
+    'streaming_w0_shadow': None,  # mosaicml-streaming: left to Composer
+    'map_exact_w0_shadow': None,  # no state of its own
+}
+
+
+@pytest.mark.parametrize('name', list(POSITIONS))
+def test_the_position_adapter_is_chosen_by_what_the_data_is(runs, name):
+    for rank, res in enumerate(ok(runs, name)):
+        assert res['full']['position'] == POSITIONS[name], (name, rank, res['full']['position'])
+
+
 @pytest.mark.parametrize('name', list(REFUSED))
 def test_refused_pipeline_stops_every_rank_with_advice(runs, name):
     # every rank stops; the ranks whose own data is refused say what to use instead, the others name those ranks

@@ -304,8 +304,9 @@ class Failed(NamedTuple):
 _EXACT = (
     "UnevenJoin(mode='rebalance') plans every rank's batches from the len()s, so they must be exact: make __len__ "
     'match what the dataloader yields (an IterableDataset read by several workers yields one partial batch per '
-    "worker), or use mode='shadow', which treats len() as a hint and trains every batch."
+    'worker), or remove __len__ (rebalancing then reads ahead, step by step)'
 )
+_MORE = f"{_EXACT}, or use mode='shadow', which treats a len() that undercounts as a hint and trains every batch."
 
 
 class _Reader:
@@ -324,7 +325,7 @@ class _Reader:
         except StopIteration:
             raise UnevenInputsError(
                 f"rank {dist.get_global_rank()}'s dataloader yielded {self.read} batches, fewer than its "
-                f'len() {self.count}; {_EXACT}',
+                f'len() {self.count}; {_EXACT}.',
             ) from None
         self.read += 1
         return batch
@@ -339,7 +340,7 @@ class _Reader:
             raise UnevenInputsError(
                 f'the dataloader of rank {dist.get_global_rank()} yielded more than the {self.count} batches per '
                 f'epoch its len() promised (len() {self.count}, yielded at least {self.count + 1}); the extra '
-                f'batches would be silently dropped. {_EXACT}',
+                f'batches would be silently dropped. {_MORE}',
             )
 
 

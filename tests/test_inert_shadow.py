@@ -236,11 +236,13 @@ def test_a_buffer_replaced_in_the_forward_counts_every_step_once(runs, name):
 
 def test_buffer_guard_restores_a_buffer_the_forward_replaces():
     """Where a shadow forward still runs (FSDP, SyncBatchNorm models), its buffers come back, even replaced ones."""
+    from composer_join.core.changes import Changes
     from composer_join.shadow.buffers import BufferGuard
 
     module = Counting()
     original = module.count
-    guard = BufferGuard(module)
+    guard, changes = BufferGuard(module), Changes()
+    guard.attach(changes)
     guard.armed = True
     module(torch.randn(2, 6), torch.zeros(2, dtype=torch.long), 0)
     assert module.count is not original and int(module.count) == 1
@@ -248,6 +250,10 @@ def test_buffer_guard_restores_a_buffer_the_forward_replaces():
     assert module.count is original and int(module.count) == 0
     module(torch.randn(2, 6), torch.zeros(2, dtype=torch.long), 0)  # disarmed: real forwards count
     assert int(module.count) == 1
+    guard.armed = True
+    module(torch.randn(2, 6), torch.zeros(2, dtype=torch.long), 0)
+    changes.undo()  # a run that stops mid-microbatch: the buffers come back and the hook leaves the module
+    assert int(module.count) == 1 and not module._forward_pre_hooks
 
 
 def test_an_unmarked_communicating_forward_stops_every_rank_with_a_clear_error(runs):

@@ -18,16 +18,21 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from composer_join.core.changes import Changes
+
 __all__ = ['agree_on_closures']
 
 BRANCHING = ('SAMOptimizer',)  # optimizers known to skip work when the closure's loss is falsy
 
 
-def agree_on_closures(optimizers: Sequence[torch.optim.Optimizer], shadow_step: Callable[[], bool]) -> None:
-    """Wrap the ``step`` of every optimizer in ``optimizers`` that branches on its closure's loss (idempotent)."""
+def agree_on_closures(
+    optimizers: Sequence[torch.optim.Optimizer], shadow_step: Callable[[], bool], changes: Changes
+) -> None:
+    """Wrap the ``step`` of every optimizer in ``optimizers`` that branches on its closure's loss, until ``changes``
+    is undone (an optimizer already wrapped is left as it is)."""
     for optimizer in optimizers:
         if type(optimizer).__name__ in BRANCHING and not getattr(optimizer.step, 'composer_join', False):
-            optimizer.step = _agreeing_step(optimizer.step, shadow_step)  # type: ignore[method-assign]  # this instance's
+            changes.set(optimizer, 'step', _agreeing_step(optimizer.step, shadow_step))
 
 
 def _agreeing_step(step: Callable, shadow_step: Callable[[], bool]) -> Callable:

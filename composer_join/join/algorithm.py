@@ -29,8 +29,8 @@ event                     what happens
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
                           (rebalance: with bytes moved)
 ``*_CHECKPOINT``          wrapper (DDP): buffers equal on every rank before a checkpoint is saved
-``FIT_END``               wrapper (DDP): buffers equal on every rank at the end of ``fit``; the train
-                          ``DataSpec``'s ``split_batch`` as it was (:func:`~composer_join.shadow.dataspec.restore_split`)
+``FIT_END``               wrapper (DDP): buffers equal on every rank at the end of ``fit``; Composer's
+                          checkpointed attributes as they were
 ``EVAL_START``            wrap this evaluator's dataloader the same way (one length agreement), lift the cap;
                           wrapper: FSDP pads eval microbatches, DDP makes buffers equal on every rank
 ``EVAL_BATCH_START``      automatic microbatching: keep the metric states, for a retry after an OOM
@@ -52,7 +52,6 @@ that branch on the closure's loss (SAM) take the same branch on a joined rank
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -61,6 +60,7 @@ from composer.loggers import Logger
 from composer.utils import dist
 
 from composer_join.core.batches import first_samples
+from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan, agree_on_length
 from composer_join.core.report import EpochReport
 from composer_join.core.settings import row as settings_row
@@ -84,7 +84,6 @@ from composer_join.join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloa
 from composer_join.rebalance.readahead import ReadAheadRebalancer
 from composer_join.rebalance.rebalance import Rebalancer
 from composer_join.shadow.buffers import checkpoint_due
-from composer_join.shadow.dataspec import current_spec, restore_split, train_data_spec
 from composer_join.shadow.gradients import scale_grad
 from composer_join.wrappers import wrapper_for
 from composer_join.wrappers.wrapper import Wrapper
@@ -353,7 +352,6 @@ class UnevenJoin(Algorithm):
             self._stash_metrics(metrics)
         elif event == Event.FIT_END:
             self._wrapper.fit_end(state)
-            restore_split(current_spec(state))  # the train DataSpec splits as it did before fit()
             if self._positions is not None:
                 self._positions.close()
         elif event in _CHECKPOINTS:
@@ -365,9 +363,6 @@ class UnevenJoin(Algorithm):
             if self._loader is not None:
                 self._loader.check_ended_together()
             self._loader = self._train_loader
-            spec = current_spec(state)
-            if spec is not train_data_spec(state):  # a DataSpec for both (the user's own) stays wrapped till FIT_END
-                restore_split(spec)  # the evaluator's, wrapped again at its next start
 
     # -- starting ----------------------------------------------------------------------------------
 
@@ -385,10 +380,6 @@ class UnevenJoin(Algorithm):
             self._rank = dist.get_global_rank()
             if why is not None:
                 log.info('UnevenJoin is inactive (%s): Composer runs exactly as without it.', why)
-            else:
-                # Composer's split_batch warns that a shadow batch (zero samples) is smaller than
-                # the microbatch size, advice that is meant for a real last batch.
-                warnings.filterwarnings('ignore', message='Cannot split tensor of length 0 ')
         return self._active
 
     def _fit_start(self, state: State) -> None:
@@ -404,6 +395,7 @@ class UnevenJoin(Algorithm):
             self.throw_on_early_termination,
             rebalance=self.mode == 'rebalance',
             settings=self._settings,
+            install=lambda changes: self._install_train(state, changes),
         )
         loader.position = lambda: train_position(state, finished)
         if resumed is not None and resumed.current is not None and (finished or not resized):
@@ -424,7 +416,11 @@ class UnevenJoin(Algorithm):
                 'algorithm_passes=composer_join.join.passes.join_pass to the Trainer',
             )
         refuse_incompatible(state.algorithms, TEMPLATE_SAMPLES)
-        agree_on_closures(state.optimizers, lambda: self.is_shadow_step)
+
+    def _install_train(self, state: State, changes: Changes) -> None:
+        """Each iteration over the train dataloader: the wrapper's changes, and optimizers that branch on the loss."""
+        self._wrapper.install(changes, state, lambda: self.plan)
+        agree_on_closures(state.optimizers, lambda: self.is_shadow_step, changes)
 
     def _rank_positions(self, state: State, loader: JoinLoader) -> Optional[RankPositions]:
         """Per-rank positions for train data that keeps its own (None: left to Composer); its reader opens it."""
@@ -464,6 +460,7 @@ class UnevenJoin(Algorithm):
             self._eval_loaders.get(label),
             microbatch_size=(lambda: evaluator.device_eval_microbatch_size) if evaluator is not None else None,
             settings=self._settings,
+            install=lambda changes: self._wrapper.install_eval(changes, state, lambda: self.plan),
         )
         self._loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
         lift_cap(state, self._loader)  # Composer puts the train cap back after the evaluation
@@ -475,7 +472,11 @@ class UnevenJoin(Algorithm):
             self._loader = None  # torch's DistributedSampler: evened out by repeats, Composer's business
             return
         self._templates.pop(state.dataloader_label, None)  # each predict() may bring other data
-        self._loader = join_dataloader(state, microbatch_size=-1)
+        self._loader = join_dataloader(
+            state,
+            microbatch_size=-1,
+            install=lambda changes: self._wrapper.install_eval(changes, state, lambda: self.plan),
+        )
         lift_cap(state, self._loader)
         self._wrapper.eval_start(state, lambda: self.plan)
 

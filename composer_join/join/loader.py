@@ -69,6 +69,7 @@ from composer.utils import dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from composer_join.core.batches import first_samples, to_cpu
+from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import (
     Agreement,
@@ -166,6 +167,8 @@ class JoinLoader:
         # (not beneath a Rebalancer): a dataset that resumes itself follows what was read
         # (composer_join.data.resume.RankPositions.open)
         self.open: Callable[[Iterable, int], Iterator[Any]] = lambda dataloader, offset: iter(dataloader)
+        # () -> the register of changes made for one iteration (composer_join.core.changes), undone as it ends
+        self.opened: Callable[[], Changes] = Changes
 
     def current_plan(self) -> Optional[StepPlan]:
         """The current step's plan, its microbatch counts for the microbatch size in force now.
@@ -231,6 +234,19 @@ class JoinLoader:
             sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        """One epoch (or evaluation) on this rank; UnevenJoin's changes to others' objects last exactly as long.
+
+        ``opened()`` makes them (the ``DataSpec``'s split, the wrapper's hooks and padding) and returns their
+        register, undone when the iteration ends: Composer stops asking, or an exception unwinds Composer's loop
+        (Python then closes this suspended generator).
+        """
+        changes = self.opened()
+        try:
+            yield from self._iterate()
+        finally:
+            changes.undo()
+
+    def _iterate(self) -> Iterator[Any]:
         first, skipped, finished = 0, 0, False
         if self.position is not None:
             epoch, first, skipped, finished = self.position()
@@ -523,6 +539,7 @@ def join_dataloader(
     microbatch_size: Any = None,
     rebalance: bool = False,
     settings: Sequence[int] = (),
+    install: Callable[[Changes], None] = lambda changes: None,
 ) -> JoinLoader:
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
@@ -535,7 +552,8 @@ def join_dataloader(
     (``mode='rebalance'``: a :class:`~composer_join.rebalance.rebalance.RebalancingLoader`, or, if some rank's
     dataloader has no ``len()``, a :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer`).
     ``settings``: UnevenJoin's (:func:`composer_join.core.settings.row`), checked to be the same on every
-    rank in the same collective.
+    rank in the same collective. ``install(changes)``: the algorithm's changes for each iteration, made
+    through ``changes`` (:attr:`JoinLoader.opened`).
     """
     dataloader = state.dataloader
     current = None if state.dataloader_len is None else int(state.dataloader_len)
@@ -563,8 +581,8 @@ def join_dataloader(
         size = lambda: state.device_train_microbatch_size  # noqa: E731 (read when used: auto microbatching)
     else:
         size = microbatch_size if callable(microbatch_size) else lambda: microbatch_size
-    # Composer's DataSpec, so counts are its counts; wrapped at every start (the algorithm restores it at the end)
-    spec = ShadowSplit.installed(spec_for(state, dataloader))
+    # Composer's DataSpec, so counts are its counts; wrapped for every iteration (undone as it ends)
+    spec = spec_for(state, dataloader)
     if cached is not None and cached.dataloader is dataloader:
         loader = cached
         loader.length, loader.check_overflow, loader.lengths = shared, check_overflow, lengths
@@ -579,6 +597,7 @@ def join_dataloader(
             lengths=lengths,
         )
     loader.microbatch_size = size
+    loader.opened = lambda: _opened(spec, install)
     if isinstance(loader.dataloader, Rebalancer):
         loader.dataloader.count = lambda batch: loader.describe(batch)[0]
     label = state.dataloader_label
@@ -591,6 +610,18 @@ def join_dataloader(
         shared if shared is not None else 'until the last rank runs out',
     )
     return loader
+
+
+def _opened(spec: DataSpec, install: Callable[[Changes], None]) -> Changes:
+    """The changes of one iteration: the ``DataSpec``'s split of shadow batches, then ``install``'s (the algorithm's)."""
+    changes = Changes()
+    try:
+        ShadowSplit.install(spec, changes)
+        install(changes)
+    except BaseException:
+        changes.undo()
+        raise
+    return changes
 
 
 def lift_cap(state: State, loader: JoinLoader) -> Optional[Any]:

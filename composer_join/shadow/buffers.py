@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from composer_join.core.changes import Changes
+
 __all__ = ['BufferGuard', 'checkpoint_due']
 
 
@@ -15,18 +17,24 @@ class BufferGuard:
 
     The owner arms it before a forward pass and calls :meth:`restore` after the backward pass
     (autograd may still need the buffers as the forward left them, e.g. BatchNorm's). The snapshot
-    is taken by a forward pre-hook, so under DDP it holds the buffers as DDP's broadcast left them.
+    is taken by a forward pre-hook, so under DDP it holds the buffers as DDP's broadcast left them;
+    :meth:`attach` puts the hook on the module for as long as a register of changes holds it.
     Cost when armed: two copies of the buffers; when not armed, one attribute check per forward.
 
     Example:
         >>> import torch
+        >>> from composer_join.core.changes import Changes
         >>> bn = torch.nn.BatchNorm1d(3)
-        >>> guard = BufferGuard(bn)
+        >>> guard, changes = BufferGuard(bn), Changes()
+        >>> guard.attach(changes)
         >>> guard.armed = True
         >>> bn(torch.randn(4, 3) + 10).sum().backward()
         >>> guard.restore()
         >>> bn.running_mean.tolist()
         [0.0, 0.0, 0.0]
+        >>> changes.undo()  # the hook is off the module again
+        >>> len(bn._forward_pre_hooks)
+        0
     """
 
     def __init__(self, module: torch.nn.Module, keep: Callable[[torch.nn.Module], bool] = lambda m: False):
@@ -34,7 +42,11 @@ class BufferGuard:
         self.armed = False
         self._keep = keep  # modules whose buffers a shadow forward may update (SyncBatchNorm's: global statistics)
         self._saved: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
-        module.register_forward_pre_hook(self._snapshot)
+
+    def attach(self, changes: Changes) -> None:
+        """Hook the module (its snapshot pre-hook) until ``changes`` is undone; undoing also restores and disarms."""
+        changes.hook(self.module.register_forward_pre_hook(self._snapshot))
+        changes.call(self.restore)
 
     def _snapshot(self, _module, _args) -> None:
         if self.armed and not self._saved:

@@ -15,24 +15,20 @@ FSDP's padding) use the same functions:
   microbatches counted;
 * :class:`ShadowSplit`: a shadow batch (zero samples) must be exactly one microbatch on every rank,
   whatever the ``split_batch``: Composer's default cannot split an empty list (``range()`` with a
-  step of 0), and a custom one may return no microbatch at all. Installed on the ``DataSpec``, it
-  hands a batch the ``DataSpec`` counts as zero samples back whole, and splits every other batch
-  as before;
-* :func:`restore_split`: takes UnevenJoin's wrappers (:class:`ShadowSplit`, FSDP's and DDP's
-  :class:`~composer_join.shadow.padding.MicrobatchPadding`) off a ``DataSpec`` again. The ``DataSpec`` may be
-  the user's own (``Trainer(train_dataloader=DataSpec(...))``, ``Evaluator(dataloader=DataSpec(...))``): the
-  algorithm restores its ``split_batch`` at the end of the ``fit()``, evaluation or ``predict()`` that wrapped
-  it, so that a later ``Trainer`` without UnevenJoin splits as stock Composer does, and the next start wraps it
-  afresh. A ``fit()`` that raises leaves the wrappers in place (Composer runs no event after an error). After
-  UnevenJoin's own early termination (``throw_on_early_termination``) they hold no plan and change only
-  zero-sample batches, which stock Composer cannot split; after an error raised inside a step, FSDP's padding
-  still holds that step's plan, so a ``DataSpec`` reused after such an error should be made anew.
+  step of 0), and a custom one may return no microbatch at all. Put on the ``DataSpec`` for as long
+  as a register of changes holds it (:mod:`composer_join.core.changes`: the join's loader holds one per
+  iteration over a dataloader), it hands a batch the ``DataSpec`` counts as zero samples back whole, and
+  splits every other batch as before. The ``DataSpec`` may be the user's own
+  (``Trainer(train_dataloader=DataSpec(...))``, ``Evaluator(dataloader=DataSpec(...))``): once the iteration
+  ends, normally or because the run raised, its ``split_batch`` is the one it had, and a later ``Trainer``
+  without UnevenJoin splits as stock Composer does.
 
 Example::
 
-    spec = ShadowSplit.installed(spec_for(state, dataloader))
-    count_microbatches(spec, batch, 4, samples=10)  # 3 with Composer's default split
-    restore_split(current_spec(state))  # at the end: spec.split_batch is the one it had before
+    with Changes() as changes:
+        spec = ShadowSplit.install(spec_for(state, dataloader), changes)
+        count_microbatches(spec, batch, 4, samples=10)  # 3 with Composer's default split
+    # spec.split_batch is the one it had before
 """
 
 from __future__ import annotations
@@ -45,12 +41,13 @@ from typing import Any, Optional
 from composer.core import DataSpec, State
 from composer.core.data_spec import _default_split_batch
 
+from composer_join.core.changes import Changes
+
 __all__ = [
     'ShadowSplit',
     'count_microbatches',
     'count_samples',
     'current_spec',
-    'restore_split',
     'spec_for',
     'train_data_spec',
     'unwrapped_split',
@@ -107,12 +104,6 @@ def unwrapped_split(spec: DataSpec) -> Callable[[Any, Any], Any]:
     return split
 
 
-def restore_split(spec: Optional[DataSpec]) -> None:
-    """Put back the ``split_batch`` ``spec`` had before UnevenJoin wrapped it (nothing if it is not wrapped, or None)."""
-    if spec is not None and getattr(spec.split_batch, 'uneven_join_wrapper', False):
-        spec.split_batch = unwrapped_split(spec)
-
-
 def _wrappers(split: Any) -> list:
     found = []
     while getattr(split, 'uneven_join_wrapper', False):
@@ -151,10 +142,11 @@ class ShadowSplit:
         self.spec, self.split = spec, split
 
     @classmethod
-    def installed(cls, spec: DataSpec) -> DataSpec:
-        """Wrap ``spec.split_batch`` (once; before FSDP's padding wraps it, which then pads one shadow microbatch)."""
+    def install(cls, spec: DataSpec, changes: Changes) -> DataSpec:
+        """Wrap ``spec.split_batch`` until ``changes`` is undone (once: inside any padding, which then pads one
+        shadow microbatch; a ``DataSpec`` already wrapped, one shared by training and evaluation, is left as it is)."""
         if not any(isinstance(s, cls) for s in _wrappers(spec.split_batch)):
-            spec.split_batch = cls(spec, spec.split_batch)
+            changes.set(spec, 'split_batch', cls(spec, spec.split_batch))
         return spec
 
     def __call__(self, batch: Any, microbatch_size: Any) -> Any:

@@ -26,6 +26,7 @@ from composer.core import DataSpec
 from composer.utils import dist
 
 from composer_join.core.batches import first_samples
+from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import StepPlan
 from composer_join.interop.oom import OOMChecks
@@ -36,26 +37,25 @@ __all__ = ['MicrobatchPadding']
 class MicrobatchPadding:
     """Pads the microbatch list of one ``DataSpec`` to the step's largest count across ranks.
 
-    Installed once per ``DataSpec`` (:meth:`install`); every call of its ``split_batch`` then
-    splits as before and appends ``max - own`` empty microbatches (the first microbatch cut to
-    zero samples). ``plan()`` is the current step's :class:`~composer_join.core.plan.StepPlan`; without
-    one (no UnevenJoin step running) nothing is padded. Cost: nothing beyond the padding itself.
-    Counts are the ``DataSpec``'s own (its ``split_batch``, :mod:`composer_join.shadow.dataspec`). A batch
-    that splits into more microbatches than counted when it was fetched (a ``batch_transforms``
-    that adds samples), or whose padding the ``DataSpec`` cannot count as empty, cannot be padded:
-    with ``failures`` set (by :class:`~composer_join.wrappers.fsdp.FSDPWrapper`) the error is kept, the first
-    microbatch runs on every rank, and every rank raises at its loss
-    (:meth:`~composer_join.wrappers.fsdp.GradientUnits.check`).
+    Put on a ``DataSpec`` with :meth:`install`, for as long as a register of changes holds it; every call
+    of its ``split_batch`` then splits as before and appends ``max - own`` empty microbatches (the first
+    microbatch cut to zero samples). ``plan()`` is the current step's :class:`~composer_join.core.plan.StepPlan`;
+    without one (no UnevenJoin step running) nothing is padded. Cost: nothing beyond the padding itself.
+    Counts are the ``DataSpec``'s own (its ``split_batch``, :mod:`composer_join.shadow.dataspec`; ``count``, its
+    ``get_num_samples_in_batch``, tells an empty microbatch). A batch that splits into more microbatches than
+    counted when it was fetched (a ``batch_transforms`` that adds samples), or whose padding the ``DataSpec``
+    cannot count as empty, cannot be padded: with ``failures`` (a list, :class:`~composer_join.wrappers.fsdp.FSDPWrapper`'s)
+    the error is kept, the first microbatch runs on every rank, and every rank raises at its loss
+    (:meth:`~composer_join.wrappers.fsdp.GradientUnits.check`); without, it is raised at once.
 
     Example::
 
-        MicrobatchPadding.install(data_spec, lambda: algorithm.plan)
-        data_spec.split_batch(batch_of_2, 3)  # [2 samples]; [2 samples, 0 samples] if a rank has 2 microbatches
+        with Changes() as changes:
+            MicrobatchPadding.install(data_spec, changes, lambda: algorithm.plan)
+            data_spec.split_batch(batch_of_2, 3)  # [2 samples]; [2 samples, 0 samples] if a rank has 2 microbatches
     """
 
     uneven_join_wrapper = True  # composer_join.shadow.dataspec.unwrapped_split sees through it
-    count: Optional[Callable[[Any], float]] = None  # the DataSpec's get_num_samples_in_batch (set by FSDPWrapper)
-    failures: Optional[list] = None  # if set, errors go here, to be raised on every rank at once (FSDPWrapper)
 
     def __init__(
         self,
@@ -65,6 +65,8 @@ class MicrobatchPadding:
         pad: bool = True,
         checks: Optional[OOMChecks] = None,
         needed: Callable[[], bool] = lambda: True,
+        count: Optional[Callable[[Any], float]] = None,
+        failures: Optional[list] = None,
     ):
         self.split = split
         self.plan = plan
@@ -72,30 +74,20 @@ class MicrobatchPadding:
         self.pad = pad  # False (DDP under automatic microbatching): only count, for ``checks``
         self.checks = checks  # told this rank's count and the step's largest (automatic microbatching)
         self.needed = needed  # whether to count at all (pad=False)
+        self.count = count  # the DataSpec's get_num_samples_in_batch (None: Composer's default)
+        self.failures = failures  # if a list, errors go there, to be raised on every rank at once
         self.last_count = 0  # microbatches of the last split, padding included
 
     @classmethod
-    def install(
-        cls,
-        spec: DataSpec,
-        plan: Callable[[], Optional[StepPlan]],
-        to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-        pad: bool = True,
-        checks: Optional[OOMChecks] = None,
-        needed: Callable[[], bool] = lambda: True,
-    ) -> None:
-        """Pad ``spec``'s microbatches from now on (once per ``DataSpec``; again only updates the settings)."""
-        if not isinstance(spec.split_batch, cls):
-            spec.split_batch = cls(spec.split_batch, plan, to_device, pad, checks, needed)
-        else:
-            padding = spec.split_batch
-            padding.plan, padding.to_device, padding.pad, padding.checks, padding.needed = (
-                plan,
-                to_device,
-                pad,
-                checks,
-                needed,
-            )
+    def install(cls, spec: DataSpec, changes: Changes, *args: Any, **kwargs: Any) -> MicrobatchPadding:
+        """Pad ``spec``'s microbatches until ``changes`` is undone (replacing padding already on it meanwhile).
+
+        The arguments after ``changes`` are the constructor's, after ``split``. Returns the padding.
+        """
+        split = spec.split_batch
+        padding = cls(split.split if isinstance(split, cls) else split, *args, **kwargs)
+        changes.set(spec, 'split_batch', padding)
+        return padding
 
     def __call__(self, batch: Any, microbatch_size: Any) -> list:
         microbatches = list(self.split(batch, microbatch_size))

@@ -36,58 +36,16 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from composer_join.core.batches import map_tensors
+from composer_join.core.changes import Changes
 
 __all__ = [
     'DDPShadow',
     'ForwardProbe',
     'LossShape',
-    'StandIn',
     'connected_zero_loss',
     'forward_communicates',
     'skippable',
 ]
-
-
-class StandIn:
-    """Instance attributes set for one microbatch, then put back exactly as they were.
-
-    A stand-in forward or loss goes on the instance (``ddp.forward``, ``model.loss``), where it
-    shadows the class's method. :meth:`remove` restores the instance's own earlier value if it had
-    one (a user's or another tool's patch), else deletes the attribute. Idempotent.
-
-    Example:
-        >>> class Model:
-        ...     def loss(self):
-        ...         return 'real'
-        >>> m = Model()
-        >>> m.loss = lambda: 'patched by the user'
-        >>> stand_in = StandIn()
-        >>> stand_in.install(m, loss=lambda: 'zero')
-        >>> m.loss(), stand_in.remove(), m.loss()
-        ('zero', None, 'patched by the user')
-    """
-
-    _MISSING = object()
-
-    def __init__(self):
-        self._saved: list[tuple[Any, str, Any]] = []
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._saved)
-
-    def install(self, obj: Any, **attributes: Any) -> None:
-        for name, value in attributes.items():
-            self._saved.append((obj, name, obj.__dict__.get(name, self._MISSING)))
-            setattr(obj, name, value)
-
-    def remove(self) -> None:
-        for obj, name, previous in reversed(self._saved):
-            if previous is self._MISSING:
-                obj.__dict__.pop(name, None)
-            else:
-                setattr(obj, name, previous)
-        self._saved = []
 
 
 def forward_communicates(module: torch.nn.Module) -> bool:
@@ -143,11 +101,16 @@ class ForwardProbe:
     """
 
     def __init__(self, module: torch.nn.Module):
+        self.module = module
         self.armed = False
         self.found: list[str] = []
         self._saved: dict[str, Any] = {}
-        module.register_forward_pre_hook(self._start)
-        module.register_forward_hook(self._stop)
+
+    def attach(self, changes: Changes) -> None:
+        """Hook the module until ``changes`` is undone; undoing also puts back any collective wrapped meanwhile."""
+        changes.hook(self.module.register_forward_pre_hook(self._start))
+        changes.hook(self.module.register_forward_hook(self._stop))
+        changes.call(self._restore)
 
     def _start(self, module, _args) -> None:
         if not self.armed or not module.training:  # a training forward (an evaluation may come first)
@@ -263,7 +226,7 @@ def _bucket_view(segment: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 class DDPShadow:
     """Stands in for one DDP model's forward and its ``ComposerModel.loss`` during shadow microbatches.
 
-    :meth:`install` before the forward of a shadow microbatch (``BEFORE_FORWARD``), :meth:`remove`
+    :meth:`install` before the forward of a shadow microbatch (``BEFORE_FORWARD``), with a register of changes undone
     after its backward (``AFTER_BACKWARD``), on the rank that shadows. Record the model's loss of
     real microbatches in :attr:`loss_shape` (``AFTER_LOSS``), so the stand-in has its structure.
     """
@@ -275,14 +238,11 @@ class DDPShadow:
         self.loss_shape = LossShape()
         self._params = ddp._build_params_for_reducer()[0]  # the reducer's variable order (its used map)
         self._sync = False
-        self._stand_in = StandIn()
 
-    def install(self) -> None:
-        self._stand_in.install(self.ddp, forward=self._forward)
-        self._stand_in.install(self.model, loss=self._loss)
-
-    def remove(self) -> None:
-        self._stand_in.remove()
+    def install(self, changes: Changes) -> None:
+        """Stand in for the forward and the loss until ``changes`` is undone (after the microbatch's backward)."""
+        changes.set(self.ddp, 'forward', self._forward)
+        changes.set(self.model, 'loss', self._loss)
 
     def _forward(self, *args, **kwargs) -> Any:
         """What ``DistributedDataParallel.forward`` communicates, in its order, without the module."""

@@ -31,6 +31,7 @@ from composer.core import State
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
+from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import StepPlan
 from composer_join.interop.oom import OOMChecks
@@ -42,7 +43,6 @@ from composer_join.shadow.shadow import (
     DDPShadow,
     ForwardProbe,
     LossShape,
-    StandIn,
     connected_zero_loss,
     forward_communicates,
     skippable,
@@ -178,6 +178,8 @@ class DDPWrapper(Wrapper):
 
     Chosen by :func:`~composer_join.wrappers.wrapper_for` when ``state.model`` is a
     ``DistributedDataParallel``. Hooks are installed once per DDP object, at its first ``FIT_START``.
+    Its changes to the model (buffer and probe hooks, microbatch padding on the train ``DataSpec``) are made
+    by :meth:`install` at every iteration over the train dataloader and undone with it.
     A shadow microbatch runs one of three ways, decided once per DDP object:
 
     * ``'skip'`` (the default): no model code (:class:`~composer_join.shadow.shadow.DDPShadow`). The
@@ -203,9 +205,9 @@ class DDPWrapper(Wrapper):
         self._stand_in: Optional[DDPShadow] = None
         self.mode = 'template'
         self._shadowing: Optional[str] = None  # how the current microbatch shadows (None: real)
-        self._padding: Any = None
+        self._padding: Optional[MicrobatchPadding] = None
         self._probe: Optional[ForwardProbe] = None
-        self._zero_loss = StandIn()  # 'zero' mode: the stand-in loss on the model
+        self._microbatch = Changes()  # the current shadow microbatch's stand-ins (forward, loss)
 
     def state_dict(self) -> dict[str, Any]:
         return {'buffer_source': self._source.rank}
@@ -215,7 +217,7 @@ class DDPWrapper(Wrapper):
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         ddp = state.model
-        if ddp is not self._hooked:
+        if ddp is not self._hooked:  # DDP's buffer hook: on Composer's own wrapper, once (torch cannot unhook it)
             broadcast_buffers_from(ddp, lambda: self._source.rank)
             self._hooked = ddp
             why = skippable(ddp)
@@ -231,22 +233,27 @@ class DDPWrapper(Wrapper):
             )
         if self._probe is not None:
             self._probe.armed, self._probe.found = True, []
+
+    def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        self._guard.attach(changes)
+        if self._probe is not None:
+            self._probe.attach(changes)
+        changes.call(self._microbatch.undo)  # a shadow microbatch the run left half-way
         spec = train_data_spec(state)
         if spec is not None:
             # Forwards that communicate ('zero'): every rank runs the step's largest microbatch count (the
             # padding FSDP uses). Otherwise only count microbatches, for automatic microbatching's OOM checks.
             pad = self.mode == 'zero'
-            MicrobatchPadding.install(
+            self._padding = MicrobatchPadding.install(
                 spec,
+                changes,
                 plan,
                 state.device.tensor_to_device,
                 pad=pad,
                 checks=self._oom,
                 needed=lambda: pad or state.auto_microbatching,
             )
-            if pad:
-                self._padding = spec.split_batch
-                self._sync.padded = lambda: self._padding.last_count
+            self._sync.padded = (lambda: self._padding.last_count) if pad else None
 
     def fit_end(self, state: State) -> None:
         sync_buffers(state.model, self._source.rank)
@@ -282,14 +289,13 @@ class DDPWrapper(Wrapper):
             return False
         if self.mode == 'skip' and self._stand_in.loss_shape.known:
             self._shadowing = 'skip'
-            self._stand_in.install()
+            self._stand_in.install(self._microbatch)
             return True
         self._shadowing = 'zero' if self.mode == 'zero' else 'template'
-        if self._guard is not None:
-            self._guard.armed = True
+        self._guard.armed = True
         if self.mode == 'zero':
-            self._zero_loss.install(
-                state.model.module, loss=lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
+            self._microbatch.set(
+                state.model.module, 'loss', lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
             )
             return True  # the forward runs on the zero-sample batch itself
         return False
@@ -319,9 +325,7 @@ class DDPWrapper(Wrapper):
         self._end_shadow(state)
 
     def _end_shadow(self, state: State) -> None:
-        if self._shadowing == 'skip':
-            self._stand_in.remove()
-        elif self._shadowing is not None:
-            self._zero_loss.remove()
+        self._microbatch.undo()
+        if self._shadowing not in (None, 'skip'):
             self._guard.restore()
         self._shadowing = None

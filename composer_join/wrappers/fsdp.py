@@ -28,7 +28,7 @@ to the same parameters on every rank. Three pieces see to that:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
 import torch
 from composer.core import DataSpec, State
@@ -36,13 +36,14 @@ from composer.utils import dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from composer_join.core.batches import map_tensors
+from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import StepPlan
 from composer_join.interop.oom import OOMChecks
 from composer_join.shadow.buffers import BufferGuard
 from composer_join.shadow.dataspec import train_data_spec
 from composer_join.shadow.padding import MicrobatchPadding
-from composer_join.shadow.shadow import LossShape, StandIn, connected_zero_loss
+from composer_join.shadow.shadow import LossShape, connected_zero_loss
 from composer_join.wrappers.wrapper import Wrapper
 
 __all__ = ['FSDPWrapper', 'GradientUnits']
@@ -172,35 +173,43 @@ class FSDPWrapper(Wrapper):
         self._oom = OOMChecks()
         self._failures: list = []  # errors MicrobatchPadding found in this step, raised at its first loss
         self._loss_shape = LossShape()
-        self._stand_in = StandIn()  # the current microbatch's loss, if it is the stand-in
+        self._microbatch = Changes()  # the current microbatch's loss, if it is the stand-in
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
-        spec = train_data_spec(state)
-        if spec is None:
+        if train_data_spec(state) is None:
             raise UnevenInputsError(
                 "UnevenJoin under FSDP could not find the Trainer's train DataSpec to pad microbatches; it must run "
                 'inside composer.Trainer.fit()',
             )
-        MicrobatchPadding.install(spec, plan, state.device.tensor_to_device, checks=self._oom)
-        self._use_counts(spec)
 
-    def _use_counts(self, spec: DataSpec) -> None:
-        """Pad with the DataSpec's own sample count; padding errors are raised on every rank at the first loss."""
-        padding = cast(MicrobatchPadding, spec.split_batch)  # installed just before
-        padding.count = spec.get_num_samples_in_batch
-        if len(self._units):
-            padding.failures = self._failures
+    def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        """Pad the train ``DataSpec``'s microbatches (with its own sample count; errors raised on every rank at the
+        first loss), guard the buffers, until ``changes`` is undone."""
+        spec = train_data_spec(state)
+        failures = self._failures if len(self._units) else None
+        count = spec.get_num_samples_in_batch
+        MicrobatchPadding.install(
+            spec, changes, plan, state.device.tensor_to_device, checks=self._oom, count=count, failures=failures
+        )
+        self._attach_guard(changes)
 
     def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
+
+    def install_eval(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        """Pad the evaluator's ``DataSpec`` (errors raise at once), guard the buffers, until ``changes`` is undone."""
         for evaluator in state.evaluators:
             if evaluator.label == state.dataloader_label and isinstance(evaluator.dataloader, DataSpec):
-                MicrobatchPadding.install(evaluator.dataloader, plan, state.device.tensor_to_device)
                 spec = evaluator.dataloader
-                cast(
-                    MicrobatchPadding, spec.split_batch
-                ).count = spec.get_num_samples_in_batch  # eval: errors raise at once
+                MicrobatchPadding.install(
+                    spec, changes, plan, state.device.tensor_to_device, count=spec.get_num_samples_in_batch
+                )
+        self._attach_guard(changes)
+
+    def _attach_guard(self, changes: Changes) -> None:
+        self._guard.attach(changes)
+        changes.call(self._microbatch.undo)  # a shadow microbatch the run left half-way
 
     def _attach(self, state: State) -> None:
         if state.model is not self._model:
@@ -216,12 +225,12 @@ class FSDPWrapper(Wrapper):
             self._guard.restore()
 
     def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
-        self._stand_in.remove()  # the last microbatch may not have reached its loss (e.g. an OOM retry)
+        self._microbatch.undo()  # the last microbatch may not have reached its loss (e.g. an OOM retry)
         if shadow:
             self._guard.armed = True
             if self._loss_shape.known:  # else (no real loss seen yet on this rank) the model's own, on the template
-                self._stand_in.install(
-                    state.model, loss=lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
+                self._microbatch.set(
+                    state.model, 'loss', lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
                 )
         return False
 
@@ -232,8 +241,8 @@ class FSDPWrapper(Wrapper):
         self._oom.after_loss(state)  # automatic microbatching: before the unused-parameter check's all-reduce
         failure = self._failures[0] if self._failures else None
         self._failures.clear()
-        if self._stand_in.installed:
-            self._stand_in.remove()
+        if len(self._microbatch):
+            self._microbatch.undo()
         else:
             self._loss_shape.record(state.loss)
         if len(self._units):

@@ -26,7 +26,9 @@ this order::
     wrapper.load_state_dict(saved)          # once chosen: what a checkpoint held ({} if none)
     wrapper.state_dict()                    # whenever Composer saves a checkpoint
     wrapper.fit_start(state, plan)          # FIT_START (again at every fit: must be idempotent)
-    wrapper.eval_start(state, plan)         # EVAL_START
+    wrapper.install(changes, state, plan)   # each iteration over the train dataloader opens (an epoch)
+    wrapper.eval_start(state, plan)         # EVAL_START (and PREDICT_START)
+    wrapper.install_eval(changes, state, plan)  # each iteration over an eval (or predict) dataloader opens
     wrapper.start_step(plan)                # BEFORE_TRAIN_BATCH
     wrapper.before_forward(state, plan, samples, shadow)   # BEFORE_FORWARD, every training microbatch
     wrapper.after_forward(state, plan)      # AFTER_FORWARD
@@ -35,6 +37,10 @@ this order::
     wrapper.before_checkpoint(state)        # a *_CHECKPOINT event at which a CheckpointSaver saves
     wrapper.fit_end(state)                  # FIT_END
 
+Every change a wrapper makes to an object UnevenJoin does not own (the model's hooks, a ``DataSpec``'s
+``split_batch``, a stand-in forward or loss) goes through the iteration's register of changes given to
+:meth:`Wrapper.install` (:mod:`composer_join.core.changes`), undone when the iteration ends, normally or
+because the run raised.
 ``shadow`` is True for a shadow microbatch (a joined rank's, or an empty padding one, weighted zero).
 ``before_forward`` returns True if it made the shadow microbatch inert itself; otherwise UnevenJoin
 swaps in the two-sample template.
@@ -48,6 +54,7 @@ from typing import Any, Optional
 
 from composer.core import State
 
+from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan
 
 __all__ = ['Wrapper']
@@ -66,8 +73,14 @@ class Wrapper:
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         """``plan()`` gives the current step's plan whenever a training step or an evaluation batch runs."""
 
+    def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        """An iteration over the train dataloader opens: make this wrapper's changes through ``changes``."""
+
     def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         """As :meth:`fit_start`, for an evaluation (which may run without any fit)."""
+
+    def install_eval(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+        """An iteration over an eval (or predict) dataloader opens: as :meth:`install`."""
 
     def start_step(self, plan: StepPlan) -> None:
         pass

@@ -15,7 +15,8 @@ from composer.utils import dist
 
 import devices
 from composer_join import UnevenInputsError
-from composer_join.rebalance.rebalance import Failed, RebalancingLoader
+from composer_join.core.source import Failed
+from composer_join.rebalance.rebalance import RebalancingLoader
 
 DTYPES = [
     torch.bool,
@@ -77,7 +78,7 @@ def transfer(unsendable: bool = False) -> dict[str, Any]:
         own[1]['quantized'] = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
     loader = RebalancingLoader(own, counts=[2, 0], own_len=len(own), to_device=lambda t: t.to(on))
     try:
-        received = list(loader)
+        received = list(loader.epoch(0, lambda resumed: iter(own)))
         failed = [b.error for b in received if isinstance(b, Failed)]
         if failed:  # the loader yields Failed for a step it could not form; the JoinLoader raises it
             raise failed[0]

@@ -7,5 +7,5 @@
 * :mod:`~composer_join.data.resume`: where each rank's train dataloader stands in a checkpoint, and the
   plain data UnevenJoin keeps in one.
 
-May import: core, rebalance.
+May import: core.
 """

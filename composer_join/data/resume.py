@@ -56,15 +56,14 @@ from composer.utils import dist
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.report import EpochReport
 from composer_join.data.positions import Position, Reading, SampleCountPosition
-from composer_join.rebalance.rebalance import Rebalancer
 
 __all__ = [
+    'Progress',
     'RankPositions',
     'Resumed',
     'Start',
     'check_world_size',
     'restore',
-    'resume_counts',
     'snapshot',
     'train_position',
 ]
@@ -92,37 +91,35 @@ def train_position(state: State, finished: bool = False) -> Start:
     return Start(epoch, 0, step)
 
 
+class Progress(NamedTuple):
+    """Where this rank stands in the current epoch, as the join's loader counts it (its ``progress()``)."""
+
+    trained: int
+    """Samples this rank trained in the epoch (its report count; -1: uncountable)."""
+    used: int
+    """Samples of its own shard used in the epoch: trained, or (rebalancing) given to another rank."""
+    sent: int
+    """Bytes it sent in the epoch (rebalancing)."""
+    ended: bool
+    """Its own data has ended, every batch trained: a library may start a new epoch when such a position is
+    loaded, so the resumed rank reads nothing more of this epoch."""
+
+
 class RankPositions:
     """Every rank's own position in its train data, for data that keeps one (:mod:`composer_join.data.positions`).
 
     Args:
         state: the trainer's state (its ``timestamp.sample_in_epoch`` tells an epoch boundary, 0, from the middle).
         position: this rank's adapter (:func:`~composer_join.data.positions.position_for`).
-        trained: ``() -> samples this rank trained in the current epoch`` (its report count).
-        used: ``() -> samples of this rank's shard used in the current epoch`` (trained, or given away).
-        ended: ``() -> whether this rank's own data has ended in the current epoch`` (every batch trained: a
-            library may start a new epoch when such a position is loaded, so the resumed rank reads nothing).
-        sent: ``() -> bytes this rank sent in the current epoch`` (``mode='rebalance'``).
-        count: ``batch -> its samples`` (-1 if uncountable), as Composer counts them.
 
-    The innermost reader of the user's dataloader opens it with :meth:`open`. :meth:`gather` is collective:
-    call it on every rank, as Composer's ``State.state_dict()`` is. Composer's own rank-0 ``dataset_state`` is
-    left out of checkpoints while a fit runs (except for Composer's protocol, whose signature it calls
-    correctly; a sharded checkpoint's load expects it): :meth:`close` puts it back.
+    The reader of the user's dataloader opens it with :meth:`open`. :meth:`gather` is collective: call it on
+    every rank, as Composer's ``State.state_dict()`` is. Composer's own rank-0 ``dataset_state`` is left out of
+    checkpoints while a fit runs (except for Composer's protocol, whose signature it calls correctly; a sharded
+    checkpoint's load expects it): :meth:`close` puts it back (Composer's ``State``, the trainer's own).
     """
 
-    def __init__(
-        self,
-        state: State,
-        position: Position,
-        trained: Callable[[], int],
-        used: Callable[[], int],
-        sent: Callable[[], int] = lambda: 0,
-        count: Callable[[Any], int] = lambda batch: -1,
-        ended: Callable[[], bool] = lambda: False,
-    ):
-        self.state, self.position, self.trained, self.used, self.sent = state, position, trained, used, sent
-        self.count, self.ended = count, ended
+    def __init__(self, state: State, position: Position):
+        self.state, self.position = state, position
         self._resumed_at = 0  # own samples of the epoch a loaded state resumes after, until its iteration opens
         self._left_out = (
             not isinstance(position, SampleCountPosition) and 'dataset_state' in state.serialized_attributes
@@ -136,28 +133,33 @@ class RankPositions:
             self.state.serialized_attributes.append('dataset_state')
         self._left_out = False
 
-    def open(self, dataloader: Iterable, offset: int) -> Iterator[Any]:
-        """``iter(dataloader)`` (as the adapter reads it) for an iteration after ``offset`` own samples of the epoch."""
-        start = self._resumed_at if offset else 0
-        self._resumed_at = 0
-        return self.position.open(dataloader, Reading(self.count, self.used, start))
+    def open(
+        self, dataloader: Iterable, resumed: bool, count: Callable[[Any], int], used: Callable[[], int]
+    ) -> Iterator[Any]:
+        """``iter(dataloader)``, as the adapter reads it; ``resumed``: the iteration goes on with a loaded position.
 
-    def gather(self) -> Optional[list[dict[str, Any]]]:
+        ``count``: a batch's samples; ``used()``: own samples used so far in the epoch (:class:`Progress`).
+        """
+        start = self._resumed_at if resumed else 0
+        self._resumed_at = 0
+        return self.position.open(dataloader, Reading(count, used, start))
+
+    def gather(self, progress: Progress) -> Optional[list[dict[str, Any]]]:
         """Per rank: ``{'trained', 'used', 'sent', 'ended', 'dataset'}`` (its position). One ``all_gather_object``.
 
-        None (no collective) where the adapter replays instead. If some rank cannot give its position, every
-        rank raises :class:`UnevenInputsError` (that rank with why).
+        ``progress``: this rank's, now. None (no collective) where the adapter replays instead. If some rank
+        cannot give its position, every rank raises :class:`UnevenInputsError` (that rank with why).
         """
         if not self.position.resumes_itself:
             return None
-        num_samples = int(self.state.timestamp.sample_in_epoch)
+        mid = int(self.state.timestamp.sample_in_epoch) > 0
         try:
-            used = self.used() if num_samples else 0
+            used = progress.used if mid else 0
             mine: dict[str, Any] = {
-                'trained': self.trained() if num_samples else 0,
+                'trained': progress.trained if mid else 0,
                 'used': used,
-                'sent': self.sent() if num_samples else 0,
-                'ended': bool(num_samples) and self.ended(),
+                'sent': progress.sent if mid else 0,
+                'ended': mid and progress.ended,
                 'dataset': self.position.save(used),
             }
             error: Optional[UnevenInputsError] = None
@@ -191,21 +193,6 @@ class RankPositions:
         self.state.dataset_resumption['train'] = True
         self._resumed_at = int(own.get('used', 0) or 0)
         return own
-
-
-def resume_counts(loader: Any, own: dict[str, Any], saved: list[dict[str, Any]], mid_epoch: bool) -> None:
-    """Start a :class:`~composer_join.join.loader.JoinLoader` resumed mid-epoch from the checkpoint's sample counts.
-
-    ``own`` is this rank's entry of ``saved`` (:meth:`RankPositions.gather`). The epoch's partial
-    report gets every rank's exact count (on steps planned from the lengths, the report alone
-    had not received them yet).
-    """
-    if not mid_epoch:
-        return
-    loader.resumed_samples, loader.resumed_ended = own['trained'], bool(own.get('ended', False))
-    if isinstance(loader.dataloader, Rebalancer):  # mode='rebalance': its shard's samples, given ones too
-        loader.dataloader.resumed_samples, loader.dataloader.resumed_bytes = own['used'], own.get('sent', 0)
-    loader.report.real_samples = [int(entry['trained']) for entry in saved]
 
 
 def snapshot(

@@ -64,13 +64,13 @@ from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan, agree_on_length
 from composer_join.core.report import EpochReport
 from composer_join.core.settings import row as settings_row
+from composer_join.core.source import BatchSource
 from composer_join.data.positions import position_for
 from composer_join.data.resume import (
     RankPositions,
     Resumed,
     check_world_size,
     restore,
-    resume_counts,
     snapshot,
     train_position,
 )
@@ -81,8 +81,6 @@ from composer_join.interop.predict import PREDICT_EVENTS, empty_outputs
 from composer_join.interop.refusals import refuse_incompatible
 from composer_join.interop.replan import replan
 from composer_join.join.loader import TEMPLATE_SAMPLES, JoinLoader, join_dataloader, lift_cap, pads_by_repeating
-from composer_join.rebalance.readahead import ReadAheadRebalancer
-from composer_join.rebalance.rebalance import Rebalancer
 from composer_join.shadow.buffers import checkpoint_due
 from composer_join.shadow.gradients import scale_grad
 from composer_join.wrappers import wrapper_for
@@ -268,7 +266,13 @@ class UnevenJoin(Algorithm):
         resumed, loader = self._resumed, self._train_loader
         current = loader.report if loader is not None else resumed.current if resumed is not None else None
         wrapper = self._wrapper.state_dict() if self._wrapper is not None else resumed.wrapper if resumed else {}
-        ranks = self._positions.gather() if self._positions is not None else resumed.ranks if resumed else None
+        ranks = (
+            self._positions.gather(loader.progress())
+            if self._positions is not None and loader is not None
+            else resumed.ranks
+            if resumed
+            else None
+        )
         done = loader.epoch_done() if loader is not None else resumed.epoch_done if resumed is not None else False
         return {**super().state_dict(), **snapshot(self.reports, current, wrapper, ranks, done)}
 
@@ -396,18 +400,16 @@ class UnevenJoin(Algorithm):
             rebalance=self.mode == 'rebalance',
             settings=self._settings,
             install=lambda changes: self._install_train(state, changes),
+            positions=lambda source: self._rank_positions(state, source),
+            start=lambda: train_position(state, finished),
+            # (at a boundary on another world size, the report of a finished epoch of the old ranks is not this one)
+            report=resumed.current if resumed is not None and (finished or not resized) else None,
         )
-        loader.position = lambda: train_position(state, finished)
-        if resumed is not None and resumed.current is not None and (finished or not resized):
-            loader.report = resumed.current  # (at a boundary on another world size: a finished epoch's, of old ranks)
-        self._positions = self._rank_positions(state, loader)
+        self._positions = loader.positions
         if self._positions is not None and resumed is not None and resumed.ranks is not None and not resized:
-            resume_counts(
-                loader,
-                self._positions.load(resumed.ranks),
-                resumed.ranks,
-                mid_epoch=int(state.timestamp.sample_in_epoch) > 0,
-            )
+            own = self._positions.load(resumed.ranks)
+            if int(state.timestamp.sample_in_epoch) > 0:
+                loader.resume(own, resumed.ranks)
         self._wrapper.fit_start(state, lambda: self.plan)
         if not self.pass_seen:
             raise RuntimeError(
@@ -422,30 +424,16 @@ class UnevenJoin(Algorithm):
         self._wrapper.install(changes, state, lambda: self.plan)
         agree_on_closures(state.optimizers, lambda: self.is_shadow_step, changes)
 
-    def _rank_positions(self, state: State, loader: JoinLoader) -> Optional[RankPositions]:
-        """Per-rank positions for train data that keeps its own (None: left to Composer); its reader opens it."""
+    def _rank_positions(self, state: State, source: BatchSource) -> Optional[RankPositions]:
+        """Per-rank positions for train data that keeps its own (None: left to Composer), read through ``source``."""
         # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader (left untouched).
         dataloader = state.train_dataloader
         reused = self._positions
         if reused is not None and reused.position.target in (dataloader, state._dataset_of(dataloader)):
             position = reused.position  # a second fit() on the same data: it knows what it loaded into it
         else:
-            readahead = isinstance(loader.dataloader, ReadAheadRebalancer)
-            position = position_for(dataloader, state._dataset_of(dataloader), replay=readahead)
-        if position is None:
-            return None
-        positions = RankPositions(
-            state,
-            position,
-            loader.own_samples,
-            loader.own_shard_samples,
-            lambda: loader.dataloader.sent_bytes(loader.steps) if isinstance(loader.dataloader, Rebalancer) else 0,
-            count=lambda batch: loader.describe(batch)[0],
-            ended=loader.own_data_ended,
-        )
-        reader = loader.dataloader if isinstance(loader.dataloader, Rebalancer) else loader
-        reader.open = positions.open
-        return positions
+            position = position_for(dataloader, state._dataset_of(dataloader), replay=source.reads_ahead)
+        return None if position is None else RankPositions(state, position)
 
     def _eval_start(self, state: State) -> None:
         label = state.dataloader_label
@@ -571,8 +559,8 @@ class UnevenJoin(Algorithm):
     def _epoch_end(self, logger: Logger) -> None:
         self._train_loader.check_ended_together()
         report = self._train_loader.report
-        if isinstance(self._train_loader.dataloader, Rebalancer) and not self._train_loader.finished_on_resume:
-            self._train_loader.dataloader.complete(report)  # (an epoch of the old world size: not this schedule's)
+        if not self._train_loader.finished_on_resume:  # (an epoch of the old world size: not this source's)
+            self._train_loader.source.complete(report)
         self.reports.append(report)
         logger.log_metrics(report.metrics())  # type: ignore[arg-type]  # ints are floats to a logger
         if self._rank == 0:

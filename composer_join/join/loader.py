@@ -60,6 +60,7 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional, cast
 
 import torch
@@ -82,13 +83,23 @@ from composer_join.core.plan import (
     steps_planned_from_lengths,
 )
 from composer_join.core.report import EpochReport
-from composer_join.rebalance.readahead import IDLE, ReadAheadRebalancer, rebalanced_without_len
-from composer_join.rebalance.rebalance import Failed, Rebalancer, RebalancingLoader, rebalanced
+from composer_join.core.source import IDLE, BatchSource, Failed, OwnBatches
+from composer_join.data.resume import Progress, RankPositions, Start
+from composer_join.rebalance.readahead import rebalanced_without_len
+from composer_join.rebalance.rebalance import rebalanced
 from composer_join.shadow.dataspec import ShadowSplit, count_microbatches, count_samples, spec_for
 from composer_join.shadow.structure import describe as describe_structure
 from composer_join.shadow.structure import fingerprint
 
-__all__ = ['TEMPLATE_SAMPLES', 'JoinLoader', 'join_dataloader', 'lift_cap', 'pads_by_repeating']
+__all__ = [
+    'TEMPLATE_SAMPLES',
+    'JoinLoader',
+    'Lengths',
+    'batch_source',
+    'join_dataloader',
+    'lift_cap',
+    'pads_by_repeating',
+]
 
 log = logging.getLogger(__name__)
 
@@ -98,77 +109,128 @@ TEMPLATE_SAMPLES = 2
 Describe = Callable[[Any], tuple[int, int]]
 
 
+@dataclass(frozen=True)
+class Lengths:
+    """What the length agreement gave (:func:`~composer_join.core.plan.agree_on_length`), for one iteration kind."""
+
+    shared: Optional[int]
+    """Steps per epoch on every rank (the longest rank's), or None if some rank's dataloader has no ``len()``."""
+    check_overflow: bool = False
+    """``shared`` is the longest ``len()`` (nothing asked for fewer batches): peek past it at the last step; if some
+    dataloader yields more, its extra batches train on agreed steps when Composer's cap is lifted
+    (:attr:`JoinLoader.uncapped`), else every rank fails (they would be lost)."""
+    per_rank: Optional[Sequence[Optional[int]]] = None
+    """Every rank's own ``len()`` (None where it has none): the steps before the shortest rank's last batch are
+    planned without a collective."""
+
+
+@dataclass
+class _Fetched:
+    """The next step's batch as fetched a step ahead, and its agreement, under way or not needed."""
+
+    batch: Any
+    status: RankStatus
+    error: Optional[BaseException]
+    agreement: Optional[Agreement]
+    local: bool  # planned without an agreement
+
+
+@dataclass
+class _Iteration:
+    """What one iteration (an epoch, an evaluation) keeps; a new one at every start."""
+
+    steps: int = 0  # steps yielded so far
+    trained: int = 0  # own real samples yielded (-1: uncountable)
+    ended: bool = False  # ended by agreement (no rank has data left), or at once (finished on resume)
+    finished_on_resume: bool = False  # its epoch was trained before a checkpoint: it read nothing
+    failure: Optional[tuple[int, Optional[BaseException]]] = None  # step and cause, on a step planned from lengths
+    unreported: int = 0  # own samples on steps planned from lengths, not yet sent in an agreement
+    exhausted: bool = False  # this rank's dataloader has run out (torch may hand back the same iterator)
+    peeked: list[Any] = field(default_factory=list)  # a batch fetched to see whether there is more than len()
+    beyond: bool = False  # it goes on past the shared length: some rank yields more than its len()
+    pending: Optional[_Fetched] = None  # the next step's fetch
+
+
 class JoinLoader:
     """One rank's dataloader, made to end every epoch on all ranks at the same step.
 
     Args:
-        dataloader: this rank's own train dataloader (any iterable of batches).
+        source: where this rank's batches come from (:class:`~composer_join.core.source.BatchSource`: its own
+            dataloader, or a rebalancer over it), chosen by :func:`batch_source`.
         describe: ``batch -> (samples, microbatches)`` as Composer will count and split it;
             ``-1`` samples or ``0`` microbatches where that cannot be known.
-        length: the shared number of batches per epoch (the longest rank's), or ``None`` if some
-            rank's dataloader has no ``len()``.
-        check_overflow: ``length`` is the longest ``len()`` (nothing asked for fewer batches): peek past
-            it at the last step; if some dataloader yields more, train its extra batches on agreed steps
-            when Composer's cap is lifted (:attr:`uncapped`), else fail on every rank (they would be lost).
+        lengths: what the length agreement gave (:class:`Lengths`).
         throw_on_early_termination: raise :class:`UnevenInputsError` on every rank at the first
             step where some rank has no batch, instead of shadowing.
         to_device: moves the agreement tensor to the trainer's device (``state.device.tensor_to_device``).
-        lengths: every rank's own ``len()`` (``None`` where a rank has none), as
-            :func:`~composer_join.core.plan.agree_on_length` returns them: the steps before the
-            shortest rank's last batch are then planned without a collective.
+        microbatch_size: ``() ->`` the microbatch size in force (automatic microbatching halves it after an OOM).
+        opened: ``() ->`` the register of changes for one iteration (:mod:`composer_join.core.changes`), made
+            when the iteration opens and undone when it ends, also when the run raises.
+        label: the dataloader's label (``'train'``, an evaluator's), for messages.
+        positions: train data that keeps its own position (:class:`~composer_join.data.resume.RankPositions`):
+            the user's dataloader is opened through it.
+        start: train only: ``() ->`` where the next iteration starts in its epoch
+            (:func:`composer_join.data.resume.train_position`), read when it starts, so that a mid-epoch resume
+            reshuffles and counts right.
+        earlier: an earlier loader over the same dataloader (the trainer's previous fit or evaluation): its
+            template (first samples of a real batch) and whether it warned already are kept.
+        report: the current epoch's report, if it goes on (a checkpoint's, resumed).
     """
 
     def __init__(
         self,
-        dataloader: Iterable,
+        source: BatchSource,
         describe: Describe,
-        length: Optional[int] = None,
-        check_overflow: bool = False,
+        lengths: Lengths,
         throw_on_early_termination: bool = False,
         to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-        lengths: Optional[Sequence[Optional[int]]] = None,
+        microbatch_size: Callable[[], Any] = lambda: None,
+        opened: Callable[[], Changes] = Changes,
+        label: str = 'train',
+        positions: Optional[RankPositions] = None,
+        start: Optional[Callable[[], Start]] = None,
+        earlier: Optional[JoinLoader] = None,
+        report: Optional[EpochReport] = None,
     ):
-        self.dataloader = dataloader
-        self.describe = describe
-        self.length = length
-        self.check_overflow = check_overflow
+        self.source, self.dataloader = source, source.dataloader
+        self.describe, self.lengths = describe, lengths
         self.throw_on_early_termination = throw_on_early_termination
-        self.to_device = to_device
-        self.template: Optional[Any] = None  # first samples of a real batch, on the CPU
+        self.to_device, self.microbatch_size = to_device, microbatch_size
+        self.opened, self.label, self.positions, self.start = opened, label, positions, start
+        earlier = earlier if earlier is not None and earlier.dataloader is self.dataloader else None
+        self.template: Optional[Any] = earlier.template if earlier else None  # first samples of a real batch (CPU)
+        self.report = report or EpochReport(epoch=0, world_size=dist.get_world_size())
+        self.epoch = self.report.epoch
         self.plan: Optional[StepPlan] = None  # the current step's plan, while iterating (see current_plan)
-        # () -> the microbatch size in force (Composer's automatic microbatching halves it after an OOM)
-        self.microbatch_size: Callable[[], Any] = lambda: None
-        self._fetched_with: Any = None  # the size in force when the pending batch was described
-        self._plan_size: Any = None  # the size the current plan's microbatch counts were taken with
+        self._sizes: tuple[Any, Any] = (None, None)  # microbatch size when the pending batch / the plan was counted
         self._recounted: Optional[tuple[StepPlan, Any, StepPlan]] = None
-        self._exhausted = False  # this iteration's dataloader has run out (torch may hand back the same iterator)
-        self._peeked: list[Any] = []  # a batch fetched to see whether the dataloader yields more than its len()
-        self._beyond = False  # this iteration goes on past `length`: some rank yields more than its len()
         self.uncapped = False  # Composer iterates without its dataloader_len cap this time (see lift_cap)
-        self.label = 'train'  # the dataloader's label, for the warning about a len() that undercounts
-        self._warned = False  # that warning was given (once per loader)
-        self.report = EpochReport(epoch=0, world_size=dist.get_world_size())
-        self.epoch = 0
-        self.lengths = lengths
-        self.steps = 0  # steps yielded in the current epoch
-        self._ended = False  # the current epoch ended by agreement (no rank has data left)
-        self._failure: Optional[tuple[int, BaseException]] = None  # step and cause, on a step planned from lengths
-        self._unreported = 0  # own samples on steps planned from lengths, not yet sent in an agreement
-        self.trained = 0  # own real samples yielded in the current epoch (-1: uncountable)
-        self.resumed_samples = 0  # own samples trained before a mid-epoch resume the dataset made itself
-        self.resumed_ended = False  # and this rank's own data had ended then: the resumed iteration reads nothing
-        self.finished_on_resume = False  # this iteration ended at once: its epoch was trained before a checkpoint
-        self._pending: Optional[tuple] = None  # the next step's fetch and agreement, while iterating
+        self._warned: bool = (
+            earlier._warned if earlier else False
+        )  # the warning about a len() that undercounts was given
+        self._resumed: tuple[int, bool] = (0, False)  # own samples trained, own data ended, before a mid-epoch resume
+        self._now = _Iteration()
         self._rank, self._world = dist.get_global_rank(), dist.get_world_size()
-        # Train only: () -> (epoch, first step, steps Composer skips, finished), read when iteration starts
-        # (composer_join.data.resume.train_position), so a mid-epoch resume reshuffles and counts right.
-        self.position: Optional[Callable[[], tuple[int, int, int, bool]]] = None
-        # (dataloader, own samples of the epoch before it) -> its iterator; where the user's dataloader is read
-        # (not beneath a Rebalancer): a dataset that resumes itself follows what was read
-        # (composer_join.data.resume.RankPositions.open)
-        self.open: Callable[[Iterable, int], Iterator[Any]] = lambda dataloader, offset: iter(dataloader)
-        # () -> the register of changes made for one iteration (composer_join.core.changes), undone as it ends
-        self.opened: Callable[[], Changes] = Changes
+
+    # -- what the algorithm asks -------------------------------------------------------------------
+
+    @property
+    def length(self) -> Optional[int]:
+        return self.lengths.shared
+
+    @property
+    def check_overflow(self) -> bool:
+        return self.lengths.check_overflow
+
+    @property
+    def steps(self) -> int:
+        """Steps yielded in the current epoch so far."""
+        return self._now.steps
+
+    @property
+    def finished_on_resume(self) -> bool:
+        """The current iteration ended at once: its epoch was trained before the checkpoint it resumed."""
+        return self._now.finished_on_resume
 
     def current_plan(self) -> Optional[StepPlan]:
         """The current step's plan, its microbatch counts for the microbatch size in force now.
@@ -178,7 +240,7 @@ class JoinLoader:
         are recomputed from the agreed samples (:meth:`~composer_join.core.plan.StepPlan.recounted`).
         """
         plan, size = self.plan, self.microbatch_size()
-        if plan is None or size == self._plan_size:
+        if plan is None or size == self._sizes[1]:
             return plan
         if self._recounted is None or self._recounted[0] is not plan or self._recounted[1] != size:
             self._recounted = (plan, size, plan.recounted(size))
@@ -187,28 +249,34 @@ class JoinLoader:
     @property
     def own_length(self) -> Optional[int]:
         """This rank's ``len()``, if it has one: running out before it is an error."""
-        return self.lengths[self._rank] if self.lengths else None
+        per_rank = self.lengths.per_rank
+        return per_rank[self._rank] if per_rank else None
 
-    def own_samples(self) -> int:
-        """Samples this rank has trained in the current epoch so far, up to the last batch it yielded (-1 if uncountable)."""
-        return self.trained
+    def progress(self) -> Progress:
+        """Where this rank stands in the current epoch (samples trained and used, bytes sent, own data ended)."""
+        now = self._now
+        ended = now.exhausted and not now.peeked and (now.pending is None or not now.pending.status.has_batch)
+        return Progress(
+            trained=now.trained,
+            used=self.source.used(now.steps, now.trained),
+            sent=self.source.sent(now.steps),
+            ended=self.source.ends_with_own_data and ended,
+        )
 
-    def own_data_ended(self) -> bool:
-        """Whether this rank's own dataloader has ended in the current epoch, every batch of it yielded (not rebalancing)."""
-        if isinstance(self.dataloader, Rebalancer) or not self._exhausted or self._peeked:
-            return False
-        return self._pending is None or not self._pending[1].has_batch  # no batch fetched for the next step
+    def resume(self, own: dict[str, Any], saved: list[dict[str, Any]]) -> None:
+        """Before a mid-epoch resumed iteration: this rank's checkpoint entry (``own``) and every rank's (``saved``).
 
-    def own_shard_samples(self) -> int:
-        """Samples of this rank's own dataloader used in the current epoch so far: trained here, or (rebalance) given away."""
-        if isinstance(self.dataloader, Rebalancer):
-            return self.dataloader.consumed_samples(self.steps)
-        return self.trained
+        The epoch's partial report gets every rank's exact count (on steps planned from the lengths, the report
+        alone had not received them yet).
+        """
+        self._resumed = (int(own['trained']), bool(own.get('ended', False)))
+        self.source.resume(int(own['used']), int(own.get('sent', 0)))
+        self.report.real_samples = [int(entry['trained']) for entry in saved]
 
     @property
     def planned_steps(self) -> int:
         """Leading steps of every epoch planned from the lengths alone, with no collective."""
-        return steps_planned_from_lengths(self.lengths, self.length)
+        return steps_planned_from_lengths(self.lengths.per_rank, self.length)
 
     def __getattr__(self, name: str) -> Any:
         """Other attributes are the wrapped dataloader's (``batch_size``, ``dataset``: SeqLengthWarmup reads them)."""
@@ -233,6 +301,8 @@ class JoinLoader:
         if sampler is not None:
             sampler.set_epoch(epoch)
 
+    # -- one iteration -------------------------------------------------------------------------------
+
     def __iter__(self) -> Iterator[Any]:
         """One epoch (or evaluation) on this rank; UnevenJoin's changes to others' objects last exactly as long.
 
@@ -246,74 +316,71 @@ class JoinLoader:
         finally:
             changes.undo()
 
+    def _open(self, resumed: bool) -> Iterator[Any]:
+        """The user's dataloader for this epoch (through its position adapter, if its data keeps a position)."""
+        if self.positions is None:
+            return iter(self.dataloader)
+        return self.positions.open(self.dataloader, resumed, lambda batch: self.describe(batch)[0], self._used)
+
+    def _used(self) -> int:
+        return self.source.used(self._now.steps, self._now.trained)
+
     def _iterate(self) -> Iterator[Any]:
         first, skipped, finished = 0, 0, False
-        if self.position is not None:
-            epoch, first, skipped, finished = self.position()
+        if self.start is not None:
+            epoch, first, skipped, finished = self.start()
             self.set_epoch(epoch)
-        self._pending, self.finished_on_resume = None, finished
-        if finished:  # every batch of the epoch was trained before the checkpoint: end it, reading nothing
-            if self.report.epoch != self.epoch:
-                self.report = EpochReport(epoch=self.epoch, world_size=self._world)
-            self.steps, self._ended = first, True
-            return
-        if isinstance(self.dataloader, Rebalancer):
-            self.dataloader.start = first  # the dataset resumed itself at step `first` (else 0)
-        if isinstance(self.dataloader, Rebalancer):
-            batches = iter(self.dataloader)
-        else:
-            batches = self.open(self.dataloader, self.resumed_samples if first else 0)
-        # a position loaded where this rank's data had ended may start the library's next epoch: read nothing
-        ended_before = bool(first) and self.resumed_ended and not isinstance(self.dataloader, Rebalancer)
+        trained_before, ended_before = self._resumed if first else (0, False)
         if first + skipped == 0 or self.report.epoch != self.epoch:  # else: resuming the report's epoch
             self.report = EpochReport(epoch=self.epoch, world_size=self._world)
-        self._ended, self._failure, self._unreported = False, None, 0
-        self._exhausted, self._peeked, self._beyond = ended_before, [], False
+        if finished:  # every batch of the epoch was trained before the checkpoint: end it, reading nothing
+            self._now = _Iteration(steps=first, ended=True, finished_on_resume=True)
+            return
+        batches = self.source.epoch(first, self._open)
+        # a position loaded where this rank's data had ended may start the library's next epoch: read nothing
+        exhausted = ended_before and self.source.ends_with_own_data
+        now = self._now = _Iteration(steps=first, trained=trained_before, exhausted=exhausted)
         may_go_beyond, self.uncapped = self.uncapped, False
-        self.trained = self.resumed_samples if first else 0
         planned = self.planned_steps
-        step = self.steps = first
-        pending = self._pending = self._fetch_and_agree(batches, step, planned)
+        step = first
+        now.pending = self._fetch_and_agree(batches, step, planned)
         try:
-            while pending is not None:
-                batch, status, error, agreement, local = pending
-                if local:
-                    if not status.has_batch:  # only this rank knows: stop, and Composer stops every rank
-                        self._failure = (step, error)  # error None: it ended before its len()
-                        self._make_transfers(batches, step + 1)
+            while now.pending is not None:
+                fetched = now.pending
+                if fetched.local:
+                    if not fetched.status.has_batch:  # only this rank knows: stop, and Composer stops every rank
+                        now.failure = (step, fetched.error)  # error None: it ended before its len()
+                        self.source.make_transfers(batches, step + 1)
                         return
-                    plan = plan_from_lengths(step, self._rank, status, self._world)
+                    plan = plan_from_lengths(step, self._rank, fetched.status, self._world)
                 else:
-                    plan = (agreement or Agreement(step, status, self.to_device)).plan()
-                if isinstance(self.dataloader, ReadAheadRebalancer):  # buffer levels (or bounds) for the next step
-                    self.dataloader.observe(plan)
-                if not local:
-                    self._unreported = 0  # in the plan now, so in the report (or, spun past, already in it)
-                    self._raise_if_needed(plan, error, batch)
+                    plan = (fetched.agreement or Agreement(step, fetched.status, self.to_device)).plan()
+                self.source.observe(plan)  # read-ahead rebalancing: buffer levels (or bounds) for the next step
+                if not fetched.local:
+                    now.unreported = 0  # in the plan now, so in the report (or, spun past, already in it)
+                    self._raise_if_needed(plan, fetched.error, fetched.batch)
                     if not plan.active_ranks:
-                        self._ended = True
+                        now.ended = True
                         self._warn_if_beyond()
                         return
-                    self._beyond = self._beyond or self._goes_beyond(plan, may_go_beyond)
+                    now.beyond = now.beyond or self._goes_beyond(plan, may_go_beyond)
                     if plan.template_source is not None:
                         self._share_template(plan.template_source)
-                self.plan, self._plan_size = plan, self._fetched_with
+                self.plan, self._sizes = plan, (self._sizes[0], self._sizes[0])
                 if step >= first + skipped:  # not a batch Composer spins past on resumption
                     self.report.record(plan)
                 # Fetch the next batch (and start its agreement) now: it completes while this step trains.
-                # With a known length no batch past it is fetched, unless some rank yields more (self._beyond).
-                pending = self._pending = (
-                    None
-                    if self.length is not None and step + 1 >= self.length and not self._beyond
-                    else self._fetch_and_agree(batches, step + 1, planned)
-                )
-                self.steps = step + 1
+                # With a known length no batch past it is fetched, unless some rank yields more (now.beyond).
+                last = self.length is not None and step + 1 >= self.length and not now.beyond
+                now.pending = None if last else self._fetch_and_agree(batches, step + 1, planned)
+                now.steps = step + 1
+                status = fetched.status
                 if status.has_batch:
-                    self.trained = -1 if min(self.trained, status.samples) < 0 else self.trained + status.samples
-                yield batch if status.has_batch else first_samples(self.template, 0)
+                    now.trained = -1 if min(now.trained, status.samples) < 0 else now.trained + status.samples
+                yield fetched.batch if status.has_batch else first_samples(self.template, 0)
                 step += 1
         finally:
-            self.plan, self._pending = None, None
+            self.plan, now.pending = None, None
 
     def epoch_done(self) -> bool:
         """Whether the step just yielded is its epoch's last (then a checkpoint taken after it is an epoch boundary).
@@ -323,33 +390,31 @@ class JoinLoader:
         """
         if self.plan is None:
             return False
-        if self._pending is None:
+        pending = self._now.pending
+        if pending is None:
             return True
-        agreement, local = self._pending[3], self._pending[4]
-        return not local and agreement is not None and not agreement.plan().active_ranks
+        return not pending.local and pending.agreement is not None and not pending.agreement.plan().active_ranks
 
-    def _fetch_and_agree(self, batches: Iterator[Any], step: int, planned: int):
+    def _fetch_and_agree(self, batches: Iterator[Any], step: int, planned: int) -> _Fetched:
         """Fetch step ``step``'s batch; start its agreement if it is agreed and not the first agreed step.
 
-        A step is planned locally (no agreement) if it is one of the ``planned`` leading steps, or if
-        the read-ahead rebalancer says every rank has a batch at it and the next
-        (:func:`~composer_join.rebalance.readahead.agreement_needed`). The first agreed step's agreement starts
+        A step is planned locally (no agreement) if it is one of the ``planned`` leading steps, or if the
+        source says so (read-ahead rebalancing: every rank has a batch at it and the next,
+        :func:`~composer_join.rebalance.readahead.agreement_needed`). The first agreed step's agreement starts
         only when that step is asked for: a rank that cannot form its batch on the last planned step
         stops without it, so the others must not start it early.
-        Returns ``(batch, status, error, agreement or None, planned locally)``.
         """
-        self._fetched_with = self.microbatch_size()
+        now = self._now
+        self._sizes = (self.microbatch_size(), self._sizes[1])
         batch, status, error = self._fetch(batches, step)
-        readahead = self.dataloader if isinstance(self.dataloader, ReadAheadRebalancer) else None
-        if step < planned or (readahead is not None and not readahead.agreed):
+        if step < planned or self.source.planned_locally():
             if status.has_batch:  # sent with the next agreement (-1 once some batch could not be counted)
-                uncountable = min(self._unreported, status.samples) < 0
-                self._unreported = -1 if uncountable else self._unreported + status.samples
-            return batch, status, error, None, True
-        status = dataclasses.replace(status, unreported_samples=self._unreported)  # zeroed once agreed
-        if readahead is not None:
-            status = dataclasses.replace(status, **readahead.status_columns())
-        return batch, status, error, Agreement(step, status, self.to_device) if step > planned else None, False
+                uncountable = min(now.unreported, status.samples) < 0
+                now.unreported = -1 if uncountable else now.unreported + status.samples
+            return _Fetched(batch, status, error, None, True)
+        status = dataclasses.replace(status, unreported_samples=now.unreported, **self.source.status_columns())
+        agreement = Agreement(step, status, self.to_device) if step > planned else None
+        return _Fetched(batch, status, error, agreement, False)
 
     def check_ended_together(self) -> None:
         """Raise on every rank if this epoch (or evaluation) ended early because some rank could not form a batch.
@@ -361,10 +426,11 @@ class JoinLoader:
         and, only then, agrees on who failed (one collective) and raises: the failing rank its own
         error, the others :class:`UnevenInputsError` naming it. Otherwise a no-op, no collective.
         """
-        if self.length is None or self._ended or self.steps >= self.length:
+        now = self._now
+        if self.length is None or now.ended or now.steps >= self.length:
             return
-        step, error = self._failure if self._failure is not None else (None, None)
-        failed = agree_on_failures(step, self._failure is not None and error is None, self.to_device)
+        step, error = now.failure if now.failure is not None else (None, None)
+        failed = agree_on_failures(step, now.failure is not None and error is None, self.to_device)
         causes: list[Optional[str]] = []
         if any(f is not None and not f[1] for f in failed):  # on every rank alike: only on this error path
             causes = dist.all_gather_object(None if error is None else f'{type(error).__name__}: {error}')
@@ -380,17 +446,6 @@ class JoinLoader:
             f'dataloader raised); every rank stops here, the failing rank raises the cause: '
             + '; '.join(f'rank {r}: {cause}' for r, cause in enumerate(causes) if cause is not None),
         )
-
-    def _make_transfers(self, batches: Iterator[Any], step: int) -> None:
-        """Having stopped alone before ``step`` (on a step planned from the lengths), make its batch transfers.
-
-        With ``mode='rebalance'`` the other ranks fetched step ``step`` (a step ahead) before Composer's
-        per-step all-reduce stopped them, sending to this rank and receiving from it; the
-        :class:`~composer_join.rebalance.rebalance.RebalancingLoader`, failed, sends failures and
-        discards what it receives, so no rank is left waiting. No-op for other dataloaders.
-        """
-        if isinstance(self.dataloader, RebalancingLoader) and self.length is not None and step < self.length:
-            self._fetch(batches, step)
 
     def _goes_beyond(self, plan: StepPlan, allowed: bool) -> bool:
         """Whether the epoch goes on past ``length``: some rank yields more than the longest ``len()``.
@@ -410,19 +465,21 @@ class JoinLoader:
 
     def _warn_if_beyond(self) -> None:
         """Once per loader, on rank 0, at the end of an epoch that went on past ``length``: say so, and what it does."""
-        if not self._beyond or self._warned or self._rank != 0 or self.lengths is None:
+        per_rank = self.lengths.per_rank
+        if not self._now.beyond or self._warned or self._rank != 0 or per_rank is None:
             return
         self._warned = True
         counts = self.report.real_batches
-        over = [(r, n, own) for r, (n, own) in enumerate(zip(counts, self.lengths)) if own is not None and n > own]
+        over = [(r, n, own) for r, (n, own) in enumerate(zip(counts, per_rank)) if own is not None and n > own]
         ranks = '; '.join(f'rank {r} yielded {n} batches, its len() is {own}' for r, n, own in over)
+        steps = self._now.steps
         warnings.warn(
             f'UnevenJoin: the {self.label} dataloader yields more batches than its len() says in epoch {self.epoch} '
             f'({ranks}): an IterableDataset read by several DataLoader workers ends each worker with its own '
-            f'partial batch. UnevenJoin treats len() as a hint: the epoch ran {self.steps} steps, every extra batch '
+            f'partial batch. UnevenJoin treats len() as a hint: the epoch ran {steps} steps, every extra batch '
             f'trained once, on steps agreed by all ranks. Composer still counts {self.length} batches per epoch (the '
             f'longest len()), so a schedule computed from len() (a max_duration, or an LR schedule, in epochs) '
-            f'runs {self.steps - cast(int, self.length)} steps per epoch ahead of training and ends early. Give the '
+            f'runs {steps - cast(int, self.length)} steps per epoch ahead of training and ends early. Give the '
             f"dataset a __len__ that counts each worker's batches, or state durations in batches or samples.",
             stacklevel=2,
         )
@@ -437,34 +494,22 @@ class JoinLoader:
         )
 
     def _fetch(self, batches: Iterator[Any], step: int) -> tuple[Any, RankStatus, Optional[BaseException]]:
-        """This rank's next batch (None once exhausted), its status for the agreement, and any error."""
-        if not self._exhausted:
+        """This rank's next batch (None once exhausted, or on an idle step), its status for the agreement, any error."""
+        now = self._now
+        if not now.exhausted:
             try:
-                batch = self._peeked.pop() if self._peeked else next(batches)
-                if batch is IDLE:  # rebalancing without len(): no batch at this step, the epoch goes on
-                    raise _Idle
-                if isinstance(batch, Failed):  # rebalancing: this rank's step failed, its transfers were made
+                batch = now.peeked.pop() if now.peeked else next(batches)
+                if isinstance(batch, Failed):  # a rebalancer's step failed (its transfers were made)
                     raise batch.error
-            except _Idle:
-                pass
             except StopIteration:
-                self._exhausted = True
+                now.exhausted = True
                 if self.own_length is not None and step < self.own_length:  # batch i is trained at step i
                     return None, RankStatus(has_batch=False, short=True), None
             except Exception as e:  # reported to every rank by the agreement, then re-raised here
                 return None, RankStatus(has_batch=False, failed=True), e
             else:
-                if self.template is None:
-                    self.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
-                samples, microbatches = self.describe(batch)
-                overflow = False
-                if self.check_overflow and self.length is not None and step == self.length - 1:
-                    overflow = self._peek(batches)
-                return (
-                    batch,
-                    RankStatus(True, samples, microbatches, overflow=overflow, structure=fingerprint(batch)),
-                    None,
-                )
+                if batch is not IDLE:  # IDLE: read-ahead rebalancing has no batch here, the epoch goes on
+                    return batch, self._status(batches, batch, step), None
         return (
             None,
             RankStatus(
@@ -477,15 +522,23 @@ class JoinLoader:
             None,
         )
 
+    def _status(self, batches: Iterator[Any], batch: Any, step: int) -> RankStatus:
+        """A real batch's row: its counts, its structure, and (at the last step by length) whether more follows."""
+        if self.template is None:
+            self.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
+        samples, microbatches = self.describe(batch)
+        overflow = self.check_overflow and self.length is not None and step == self.length - 1 and self._peek(batches)
+        return RankStatus(True, samples, microbatches, overflow=overflow, structure=fingerprint(batch))
+
     def _peek(self, batches: Iterator[Any]) -> bool:
         """Whether ``batches`` yields another batch; it is kept for the next fetch (none is lost)."""
         try:
-            self._peeked.append(next(batches))
+            self._now.peeked.append(next(batches))
         except StopIteration:
-            self._exhausted = True
+            self._now.exhausted = True
             return False
         except Exception as e:  # raised by the next fetch, on a step every rank agrees on
-            self._peeked.append(Failed(e))
+            self._now.peeked.append(Failed(e))
         return True
 
     def _raise_if_needed(self, plan: StepPlan, error: Optional[BaseException], batch: Any = None) -> None:
@@ -540,76 +593,99 @@ def join_dataloader(
     rebalance: bool = False,
     settings: Sequence[int] = (),
     install: Callable[[Changes], None] = lambda changes: None,
+    positions: Callable[[BatchSource], Optional[RankPositions]] = lambda source: None,
+    start: Optional[Callable[[], Start]] = None,
+    report: Optional[EpochReport] = None,
 ) -> JoinLoader:
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
     Called on every rank at the same point (fit or evaluation start): one collective to agree on
-    the longest rank's length. ``cached``, a loader made earlier for the same dataloader, is reused
-    with the template it holds. ``throw`` is ``throw_on_early_termination``. Microbatch counts are
-    predicted with ``microbatch_size`` (an evaluator's, or a callable giving the size in force), by default
-    the train microbatch size in force.
-    ``rebalance``: put a :class:`~composer_join.rebalance.rebalance.Rebalancer` between the two
-    (``mode='rebalance'``: a :class:`~composer_join.rebalance.rebalance.RebalancingLoader`, or, if some rank's
-    dataloader has no ``len()``, a :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer`).
+    the longest rank's length. ``cached``, a loader made earlier for the same dataloader, gives its
+    template (:class:`JoinLoader`'s ``earlier``). ``throw`` is ``throw_on_early_termination``. Microbatch counts are predicted with
+    ``microbatch_size`` (an evaluator's, or a callable giving the size in force), by default the train
+    microbatch size in force. ``rebalance``: ``mode='rebalance'`` (:func:`batch_source` picks the source).
     ``settings``: UnevenJoin's (:func:`composer_join.core.settings.row`), checked to be the same on every
     rank in the same collective. ``install(changes)``: the algorithm's changes for each iteration, made
-    through ``changes`` (:attr:`JoinLoader.opened`).
+    through ``changes`` (:attr:`JoinLoader.opened`). ``positions(source)``: the per-rank positions of train
+    data that keeps one, for the chosen source. ``start`` and ``report``: :class:`JoinLoader`'s.
     """
     dataloader = state.dataloader
     current = None if state.dataloader_len is None else int(state.dataloader_len)
     if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer
-        dataloader = dataloader.dataloader
-    if isinstance(dataloader, Rebalancer):  # a second fit() with mode='rebalance'
-        current = dataloader.counts[dataloader.rank]
+        own = dataloader.source.own_length  # with mode='rebalance': the batches its shard contributed
+        current = own if own is not None else current
         dataloader = dataloader.dataloader
     own_len = len_or_none(dataloader)
     if rebalance and own_len is not None and current is not None:
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
     shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device, settings)
-    lengths: Optional[list[Optional[int]]] = own_lens
-    if (
-        rebalance and None in own_lens
-    ):  # some rank has no len(): rebalanced step by step (composer_join.rebalance.readahead)
-        dataloader, shared, check_overflow, lengths = rebalanced_without_len(
-            dataloader, own_lens, state.device.tensor_to_device
-        )
-    elif rebalance:  # the lengths are then each rank's assigned batches, own and received
-        dataloader, shared, check_overflow, lengths = rebalanced(
-            dataloader, cast(list[int], own_lens), shared, check_overflow, state.device.tensor_to_device
-        )
     if microbatch_size is None:
         size = lambda: state.device_train_microbatch_size  # noqa: E731 (read when used: auto microbatching)
     else:
         size = microbatch_size if callable(microbatch_size) else lambda: microbatch_size
     # Composer's DataSpec, so counts are its counts; wrapped for every iteration (undone as it ends)
     spec = spec_for(state, dataloader)
-    if cached is not None and cached.dataloader is dataloader:
-        loader = cached
-        loader.length, loader.check_overflow, loader.lengths = shared, check_overflow, lengths
-    else:
-        loader = JoinLoader(
-            dataloader,
-            describe=lambda batch: _describe(spec, batch, loader.microbatch_size()),
-            length=shared,
-            check_overflow=check_overflow,
-            throw_on_early_termination=throw,
-            to_device=state.device.tensor_to_device,
-            lengths=lengths,
-        )
-    loader.microbatch_size = size
-    loader.opened = lambda: _opened(spec, install)
-    if isinstance(loader.dataloader, Rebalancer):
-        loader.dataloader.count = lambda batch: loader.describe(batch)[0]
+
+    def describe(batch: Any) -> tuple[int, int]:
+        return _describe(spec, batch, size())
+
+    source, lengths = batch_source(
+        dataloader,
+        Lengths(shared, check_overflow, own_lens),
+        rebalance,
+        state.device.tensor_to_device,
+        lambda batch: describe(batch)[0],
+    )
     label = state.dataloader_label
-    loader.label = label
-    state.set_dataloader(loader, label, -1 if shared is None else shared)
+    loader = JoinLoader(
+        source,
+        describe=describe,
+        lengths=lengths,
+        throw_on_early_termination=throw,
+        to_device=state.device.tensor_to_device,
+        microbatch_size=size,
+        opened=lambda: _opened(spec, install),
+        label=label,
+        positions=positions(source),
+        start=start,
+        earlier=cached,
+        report=report,
+    )
+    state.set_dataloader(loader, label, -1 if lengths.shared is None else lengths.shared)
     log.info(
         'UnevenJoin: %s batches per rank %s; every rank runs %s steps.',
         label,
         own_lens,
-        shared if shared is not None else 'until the last rank runs out',
+        lengths.shared if lengths.shared is not None else 'until the last rank runs out',
     )
     return loader
+
+
+def batch_source(
+    dataloader: Iterable,
+    lengths: Lengths,
+    rebalance: bool,
+    to_device: Callable[[torch.Tensor], torch.Tensor],
+    count: Callable[[Any], int],
+) -> tuple[BatchSource, Lengths]:
+    """Where this rank's batches come from (the one place the kind is chosen), and the lengths the loader plans with.
+
+    Not rebalancing: :class:`~composer_join.core.source.OwnBatches`. Rebalancing with every rank's ``len()``:
+    :class:`~composer_join.rebalance.rebalance.RebalancingLoader`, whose lengths are each rank's assigned
+    batches, own and received; with some rank's unknown: :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer`,
+    step by step (no length known ahead).
+    """
+    per_rank = list(lengths.per_rank or [])
+    source: BatchSource
+    if not rebalance:
+        return OwnBatches(dataloader), lengths
+    if None in per_rank:
+        source, shared, overflow, assigned = rebalanced_without_len(dataloader, per_rank, to_device)
+    else:
+        source, shared, overflow, assigned = rebalanced(
+            dataloader, cast(list[int], per_rank), lengths.shared, lengths.check_overflow, to_device, count
+        )
+    return source, Lengths(shared, overflow, assigned)
 
 
 def _opened(spec: DataSpec, install: Callable[[Changes], None]) -> Changes:
@@ -644,10 +720,6 @@ def lift_cap(state: State, loader: JoinLoader) -> Optional[Any]:
     return cap
 
 
-class _Idle(Exception):
-    """Raised inside :meth:`JoinLoader._fetch` for an :data:`~composer_join.rebalance.readahead.IDLE` step."""
-
-
 def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, int]:
     """(samples, microbatches) as Composer will count and split ``batch`` with ``spec`` (its own ``DataSpec``)."""
     samples = count_samples(spec, batch)
@@ -657,14 +729,12 @@ def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, in
 
 
 def _distributed_sampler(dataloader: Any) -> Optional[DistributedSampler]:
-    """The ``DistributedSampler`` Composer itself would find in ``dataloader`` (under a rebalancer), else None.
+    """The ``DistributedSampler`` Composer itself would find in ``dataloader`` (the user's), else None.
 
     Composer's own look-up (``_get_distributed_sampler``: ``batch_sampler`` first, then ``sampler``), so that
     UnevenJoin reshuffles exactly the samplers Composer reshuffles, and leaves evaluation padding to Composer
     exactly where Composer removes it.
     """
-    if isinstance(dataloader, Rebalancer):
-        dataloader = dataloader.dataloader
     return _get_distributed_sampler(dataloader) if isinstance(dataloader, DataLoader) else None
 
 

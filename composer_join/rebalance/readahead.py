@@ -64,23 +64,15 @@ from composer.utils import dist
 from composer_join.core.batches import map_tensors
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import StepPlan
+from composer_join.core.source import IDLE, Opener
 from composer_join.rebalance.rebalance import Rebalancer
 
-__all__ = ['IDLE', 'READ_AHEAD', 'ReadAheadRebalancer', 'agreement_needed', 'assign', 'rebalanced_without_len']
+__all__ = ['READ_AHEAD', 'ReadAheadRebalancer', 'agreement_needed', 'assign', 'rebalanced_without_len']
 
 log = logging.getLogger(__name__)
 
 READ_AHEAD = 2
 """Batches a rank holds in its read-ahead buffer at most, beyond the one it trains next."""
-
-
-class _Idle:
-    def __repr__(self) -> str:
-        return 'IDLE'
-
-
-IDLE = _Idle()
-"""What :class:`ReadAheadRebalancer` yields for a step at which this rank has no batch but the epoch goes on."""
 
 
 def assign(rows: Sequence[tuple[int, bool]], transfers: bool = True) -> Optional[list[Optional[int]]]:
@@ -149,6 +141,8 @@ class ReadAheadRebalancer(Rebalancer):
         peak_held_bytes: the most bytes of tensors it held in it.
     """
 
+    reads_ahead = True
+
     def __init__(
         self,
         dataloader: Iterable,
@@ -177,25 +171,14 @@ class ReadAheadRebalancer(Rebalancer):
     def _zero_counts(self) -> dict[str, list[int]]:
         return {k: [0] * self.world for k in ('own_batches', 'received_batches', 'given_batches')}
 
-    def consumed_samples(self, steps: int) -> int:
-        """Not known here: raises :class:`~composer_join.UnevenInputsError` (on every rank: each saves the same checkpoint).
+    def used(self, steps: int, trained: int) -> int:
+        """Not known here (-1): a rank's position depends on read-ahead buffers that no checkpoint holds, so its
+        data is replayed on resumption (:attr:`reads_ahead`), which this rule resumes exactly."""
+        return -1
 
-        A train dataset that resumes itself (``state_dict``/``load_state_dict``) would be handed, at a
-        mid-epoch checkpoint, the samples of its shard used so far; resuming it there would also
-        need the read-ahead buffers' levels, which no checkpoint holds. Checkpoints at an epoch's
-        end do not ask.
-        """
-        raise UnevenInputsError(
-            "UnevenJoin(mode='rebalance') without len() cannot save a mid-epoch checkpoint of a train dataset that "
-            'resumes itself (it has state_dict and load_state_dict): its position depends on read-ahead buffers a '
-            "checkpoint does not hold. Save checkpoints at epoch ends only, give every rank's dataloader a len() "
-            '(then the sized scheme resumes it exactly), use a dataset without state_dict (Composer then spins the '
-            "dataloader to the step, which this mode resumes exactly), or use mode='shadow'."
-        )
-
-    def sent_bytes(self, steps: int) -> int:
-        """Not known here: raises, as :meth:`consumed_samples` (asked at the same checkpoints)."""
-        return self.consumed_samples(steps)
+    def planned_locally(self) -> bool:
+        """Rule 7: the step whose batch :meth:`epoch` just gave needs no agreement."""
+        return not self.agreed
 
     def counts_per_rank(self) -> dict[str, list[int]]:
         """Per rank: batches trained from its own shard, received, given away (this epoch, from the agreements)."""
@@ -237,11 +220,14 @@ class ReadAheadRebalancer(Rebalancer):
 
     # -- iterating ------------------------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[Any]:
+    def epoch(self, start: int, open: Opener) -> Iterator[Any]:
+        return self._steps(open)
+
+    def _steps(self, open: Opener) -> Iterator[Any]:
         self.bytes_sent = self.bytes_received = 0
         self._counts, self.assignments, self._rows = self._zero_counts(), [], None
         self.agreed = True
-        source = _Source(self.open(self.dataloader, 0))
+        source = _Source(open(False))
         self._rows = self._first_rows(source)
         deferred: Optional[BaseException] = None  # a read error on a step that needed no agreement
         step = 0
@@ -384,7 +370,7 @@ def rebalanced_without_len(
     dataloader: Iterable,
     counts: list[Optional[int]],
     to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-) -> tuple[Iterable, None, bool, None]:
+) -> tuple[ReadAheadRebalancer, None, bool, None]:
     """``(dataloader, shared length, check_overflow, lengths)`` for the JoinLoader when some rank has no ``len()``.
 
     The shared length and the lengths are unknown (``None``): every step is agreed, and the

@@ -25,7 +25,7 @@ receives, point to point, in the order above, through a :class:`~composer_join.r
 (the wire format and its cost are in :mod:`composer_join.rebalance.transfer`). The received batch is already
 on the trainer's device, with no copy. If a donor cannot read or pickle a batch (or its dataloader
 yields fewer or more batches than its ``len()``) it sends a failure instead, and both ranks yield
-:class:`Failed` rather than raise: the JoinLoader then stops every rank (by its agreement, or, on a
+:class:`~composer_join.core.source.Failed` rather than raise: the JoinLoader then stops every rank (by its agreement, or, on a
 step planned without one, by Composer's per-step all-reduce). A failed loader goes on making the
 transfers of the steps it is still asked for (the JoinLoader asks for the one step the other ranks
 fetched ahead), sending failures and discarding what it receives, so nothing hangs.
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 from composer.utils import dist
@@ -53,9 +53,10 @@ from composer.utils import dist
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import len_or_none
 from composer_join.core.report import EpochReport
+from composer_join.core.source import BatchSource, Failed, Opener
 from composer_join.rebalance.transfer import BatchChannel
 
-__all__ = ['Failed', 'Rebalancer', 'RebalancingLoader', 'rebalanced', 'schedule']
+__all__ = ['Rebalancer', 'RebalancingLoader', 'rebalanced', 'schedule']
 
 Cell = Optional[tuple[int, int]]  # (owner rank, index of the batch in the owner's shard), or None: shadow
 
@@ -91,47 +92,42 @@ def schedule(counts: list[int]) -> list[list[Cell]]:
     return steps
 
 
-class Rebalancer(abc.ABC):
-    """What both rebalancers share, and what the JoinLoader, the algorithm and resumption use of them.
+class Rebalancer(BatchSource):
+    """What both rebalancers share: the wrapped dataloader, the channel, the epoch report's fields, resumption.
 
     :class:`RebalancingLoader` (every rank has a ``len()``: a planned schedule) and
-    :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer` (some rank has none: step by step) both
-    wrap this rank's own dataloader, beneath the :class:`~composer_join.join.loader.JoinLoader`, and move
-    batches through a :class:`~composer_join.rebalance.transfer.BatchChannel`.
+    :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer` (some rank has none: step by step) are the
+    :class:`~composer_join.core.source.BatchSource` of the :class:`~composer_join.join.loader.JoinLoader` in
+    ``mode='rebalance'``, and move batches through a :class:`~composer_join.rebalance.transfer.BatchChannel`.
 
     Args:
         dataloader: this rank's own dataloader.
         counts: every rank's batches per epoch (the same list on every rank; ``None`` where a rank
             has no ``len()``, with :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer` only).
         to_device: where transferred tensors go (the trainer's device).
-
-    Attributes:
-        channel: this rank's end of the batch transfers.
-        start, resumed_samples, resumed_bytes, count: resumption by a dataset that resumes itself
-            (Composer's ``dataset_state``): the JoinLoader sets ``start`` (the step the dataset
-            resumed at) before each iteration, the algorithm ``resumed_samples`` (own samples used
-            before it) and ``resumed_bytes`` (bytes this rank sent in the epoch before it); ``count``
-            counts a batch's samples (set by :func:`~composer_join.join.loader.join_dataloader`).
+        count: a batch's samples, as Composer counts them (-1: uncountable).
     """
+
+    ends_with_own_data = False  # the schedule (or the rule) decides when this rank's batches end
 
     def __init__(
         self,
         dataloader: Iterable,
         counts: Sequence[int],
         to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        count: Callable[[Any], int] = lambda batch: 0,
     ):
-        self.dataloader = dataloader
+        super().__init__(dataloader)
         self.counts = list(counts)
         self.rank = dist.get_global_rank()
         self.to_device = to_device
+        self.count = count
         self.channel = BatchChannel(to_device)
-        self.start = 0
-        self.resumed_samples = 0
-        self.resumed_bytes = 0
-        self.count: Callable[[Any], int] = lambda batch: 0
-        # (dataloader, own samples of the epoch before it) -> its iterator (set by the algorithm for a dataset
-        # that resumes itself: composer_join.data.resume.RankPositions.open)
-        self.open: Callable[[Iterable, int], Iterator[Any]] = lambda dataloader, offset: iter(dataloader)
+        self.start = 0  # the step the current epoch's iteration starts at (a dataset that resumed itself)
+        self._resumed = (0, 0)  # own samples used and bytes sent in the epoch before a resumed iteration
+
+    def resume(self, used: int, sent: int) -> None:
+        self._resumed = (used, sent)
 
     @property
     def bytes_sent(self) -> int:
@@ -152,22 +148,8 @@ class Rebalancer(abc.ABC):
         self.channel.bytes_received = value
 
     @abc.abstractmethod
-    def __iter__(self) -> Iterator[Any]: ...
-
-    @abc.abstractmethod
     def counts_per_rank(self) -> dict[str, list[int]]:
         """Per rank: batches trained from its own shard, received, given away, this epoch."""
-
-    @abc.abstractmethod
-    def sent_bytes(self, steps: int) -> int:
-        """Bytes this rank sent for the first ``steps`` steps of the epoch (for a dataset that resumes itself)."""
-
-    @abc.abstractmethod
-    def consumed_samples(self, steps: int) -> int:
-        """Samples of this rank's own dataloader used by the first ``steps`` steps of the epoch (-1: uncountable).
-
-        What a dataset that resumes itself is handed at a mid-epoch checkpoint.
-        """
 
     def complete(self, report: EpochReport) -> None:
         """Fill the rebalancing fields of this epoch's ``report``, the same on every rank.
@@ -193,7 +175,7 @@ class RebalancingLoader(Rebalancer):
     Args:
         dataloader: this rank's own dataloader; it must yield exactly ``counts[rank]`` batches
             per epoch (more, if ``own_len`` is larger: only the first ``counts[rank]`` are used).
-            Where it does not, the step that learns it yields :class:`Failed`, on every later
+            Where it does not, the step that learns it yields :class:`~composer_join.core.source.Failed`, on every later
             step too, still making those steps' transfers.
         counts: every rank's batches per epoch (the same list on every rank).
         own_len: ``len(dataloader)``; if it equals ``counts[rank]``, a dataloader that yields
@@ -207,8 +189,9 @@ class RebalancingLoader(Rebalancer):
         counts: list[int],
         own_len: Optional[int] = None,
         to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        count: Callable[[Any], int] = lambda batch: 0,
     ):
-        super().__init__(dataloader, counts, to_device)
+        super().__init__(dataloader, counts, to_device, count)
         self.steps = schedule(self.counts)
         self.check_overflow = own_len == self.counts[self.rank]
         self.assigned = [sum(1 for row in self.steps if row[r] is not None) for r in range(len(self.counts))]
@@ -216,15 +199,29 @@ class RebalancingLoader(Rebalancer):
         self._read_samples: dict[int, int] = {}  # step -> samples of own batches read for it (trained or given)
         self._sent: dict[int, int] = {}  # step -> bytes sent for it
 
-    def sent_bytes(self, steps: int) -> int:
-        """Bytes this rank sent for the first ``steps`` steps of the epoch (batches are sent a step ahead)."""
-        return (self.resumed_bytes if self.start else 0) + sum(n for s, n in self._sent.items() if s < steps)
+    @property
+    def own_length(self) -> int:  # type: ignore[override]  # always known here
+        return self.counts[self.rank]
 
-    def consumed_samples(self, steps: int) -> int:
+    def sent(self, steps: int) -> int:
+        """Bytes this rank sent for the first ``steps`` steps of the epoch (batches are sent a step ahead)."""
+        return (self._resumed[1] if self.start else 0) + sum(n for s, n in self._sent.items() if s < steps)
+
+    def used(self, steps: int, trained: int) -> int:
         """Samples of this rank's own dataloader used by the first ``steps`` steps of the epoch (-1: uncountable)."""
         read = [n for s, n in self._read_samples.items() if s < steps]
-        base = self.resumed_samples if self.start else 0
+        base = self._resumed[0] if self.start else 0
         return -1 if min([base, *read]) < 0 else base + sum(read)
+
+    def make_transfers(self, batches: Iterator[Any], step: int) -> None:
+        """Having stopped alone before ``step`` (a step planned from the lengths), make that step's transfers: the
+        other ranks fetched it a step ahead, sending to this rank and receiving from it; failed, this loader sends
+        failures and discards what it receives, so no rank is left waiting."""
+        if step < self.length:
+            try:
+                next(batches, None)
+            except Exception:  # it has failed already: the transfers are what matters here
+                pass
 
     def __len__(self) -> int:
         return self.assigned[self.rank]
@@ -249,11 +246,14 @@ class RebalancingLoader(Rebalancer):
                     given[cell[0]] += 1
         return {'own_batches': own, 'received_batches': received, 'given_batches': given}
 
-    def __iter__(self) -> Iterator[Any]:
-        self.bytes_sent, self.bytes_received = self.resumed_bytes if self.start else 0, 0
+    def epoch(self, start: int, open: Opener) -> Iterator[Any]:
+        self.start = start
+        return self._steps(open)
+
+    def _steps(self, open: Opener) -> Iterator[Any]:
+        self.bytes_sent, self.bytes_received = self._resumed[1] if self.start else 0, 0
         self._read_samples, self._sent = {}, {}
-        base = self.resumed_samples if self.start else 0
-        reader = _Reader(lambda: self.open(self.dataloader, base), self.counts[self.rank], self.check_overflow)
+        reader = _Reader(lambda: open(self.start > 0), self.counts[self.rank], self.check_overflow)
         reader.read = sum(1 for row in self.steps[: self.start] for c in row if c is not None and c[0] == self.rank)
         if self.start:  # a dataset that resumed itself applies its state at its next iteration: this one
             reader._it = reader.open()
@@ -288,17 +288,6 @@ class RebalancingLoader(Rebalancer):
                 failure = failure or refused
             self._sent[step] = self.bytes_sent - before
             yield batches[0] if failure is None else Failed(failure)
-
-
-class Failed(NamedTuple):
-    """What :class:`RebalancingLoader` yields for a step it could not form (``error``: why), instead of raising.
-
-    It goes on through the schedule after a failure, making every later step's transfers (sending
-    failures, discarding what it receives) for as long as it is asked, so that a rank that stops
-    at a step nobody agreed on can still make the transfers the others made a step ahead.
-    """
-
-    error: BaseException
 
 
 _EXACT = (
@@ -350,7 +339,8 @@ def rebalanced(
     shared: Optional[int],
     check_overflow: bool,
     to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-) -> tuple[Iterable, Optional[int], bool, list[Optional[int]]]:
+    count: Callable[[Any], int] = lambda batch: 0,
+) -> tuple[RebalancingLoader, Optional[int], bool, list[Optional[int]]]:
     """``(dataloader, shared length, check_overflow, every rank's length)`` for the JoinLoader, rebalanced.
 
     ``counts`` are every rank's batches per epoch (from the length agreement), all known: when some
@@ -362,5 +352,5 @@ def rebalanced(
     shortest one's last batch without agreeing. ``shared`` and ``check_overflow`` (the length
     agreement's) are replaced by these.
     """
-    loader = RebalancingLoader(dataloader, counts, len_or_none(dataloader), to_device)
+    loader = RebalancingLoader(dataloader, counts, len_or_none(dataloader), to_device, count)
     return loader, loader.length, False, loader.assigned  # type: ignore[return-value]

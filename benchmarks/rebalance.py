@@ -157,7 +157,7 @@ def fit(batches: list[int], mode: Optional[str]) -> dict[str, Any]:
     with PeakRSS() as rss:
         trainer.fit()
     wall = time.perf_counter() - start
-    source = join._train_loader.source if join is not None and join._train_loader is not None else None
+    source = join.train_loader.source if join is not None and join.train_loader is not None else None
     report = join.reports[-1] if join is not None and join.reports else None
     result = {
         'wall': wall,

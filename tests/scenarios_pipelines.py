@@ -359,7 +359,8 @@ def fit(cfg: dict, folder: str, **kwargs) -> dict[str, Any]:
 
 def position_of(join: list) -> Optional[str]:
     """The adapter UnevenJoin chose for the train data (its class name), None where it left the data to Composer."""
-    positions = join[0]._positions if join else None
+    loader = join[0].train_loader if join else None
+    positions = loader.positions if loader is not None else None
     return type(positions.position).__name__ if positions is not None else None
 
 

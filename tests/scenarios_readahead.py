@@ -117,8 +117,8 @@ def fit(cfg: dict, **kwargs) -> dict[str, Any]:
     )
     return {
         **fitted(cfg, trainer, model, join, trained, lines),
-        'peak_held': getattr(join._train_loader.source, 'peak_held', None),
-        'loader': type(join._train_loader.source).__name__,
+        'peak_held': getattr(join.train_loader.source, 'peak_held', None),
+        'loader': type(join.train_loader.source).__name__,
     }
 
 
@@ -203,5 +203,5 @@ def text_token_budget(overrides: list[str]) -> dict[str, Any]:
         'steps': recorder.steps,
         'mode': join.mode,
         'params': {k: v.detach().clone() for k, v in model.named_parameters()},
-        'loader': type(join._train_loader.source).__name__,
+        'loader': type(join.train_loader.source).__name__,
     }

@@ -14,17 +14,17 @@ def test_import_registers_the_pass_after_composers_own():
     assert passes[-1] is join_pass and passes.count(join_pass) == 1
 
 
-def test_places_uneven_join_first_last_or_alone():
+def test_places_uneven_join_first_last_or_alone(monkeypatch):
     join, mixup, smoothing = UnevenJoin(), MixUp(), LabelSmoothing()
     listed = [mixup, smoothing, join]  # as a YAML might list them
-    join._shadow = False
+    monkeypatch.setattr(join, 'shadows_microbatch', lambda event: False)  # a real microbatch
     assert join_pass(listed, Event.BEFORE_LOSS) == [join, mixup, smoothing]
     assert join_pass(listed, Event.BEFORE_BACKWARD) == [mixup, smoothing, join]  # weights the final loss
     assert join_pass(listed, Event.AFTER_LOSS) == [mixup, smoothing, join]
     assert join_pass(listed, Event.FIT_START) == [mixup, smoothing, join]  # the others see the user's loader
     assert join_pass(listed, Event.AFTER_DATALOADER) == [mixup, smoothing, join]  # then re-gathers the counts
     assert join_pass([join], Event.AFTER_DATALOADER) == []  # nothing to re-gather
-    join._shadow = True  # a shadow microbatch: no other algorithm sees it
+    monkeypatch.setattr(join, 'shadows_microbatch', lambda event: True)  # a shadow one: no other algorithm sees it
     for event in (
         Event.AFTER_FORWARD,
         Event.BEFORE_LOSS,

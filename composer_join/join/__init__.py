@@ -1,9 +1,13 @@
 """The join itself: the algorithm that routes Composer's events, and the loader that plans each step.
 
-* :mod:`~composer_join.join.algorithm`: :class:`~composer_join.UnevenJoin`, which only routes events to the
-  subpackages below and holds the loaders and the current plan;
+* :mod:`~composer_join.join.algorithm`: :class:`~composer_join.UnevenJoin`, which only routes events (a table)
+  to the run;
+* :mod:`~composer_join.join.session`: ``Run``: what UnevenJoin holds for one trainer while active (its loaders,
+  positions, wrapper part) and the work at each event;
+* :mod:`~composer_join.join.microbatches`: ``Microbatches``: each microbatch shadow or real, its input, the
+  metrics a stand-in keeps out;
 * :mod:`~composer_join.join.loader`: ``JoinLoader``: per step this rank's batch or a shadow batch, the plan,
-  the common end of the epoch;
+  the common end of the epoch; ``batch_source``, the one place the source of batches is chosen;
 * :mod:`~composer_join.join.passes`: the algorithm pass: where UnevenJoin runs among Composer's other
   algorithms, per event.
 

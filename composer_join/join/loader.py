@@ -290,9 +290,9 @@ class JoinLoader:
             raise TypeError("some rank's train dataloader has no len(), so the epoch length is unknown")
         return self.length
 
-    def count(self, batch: Any) -> int:
-        """Samples in ``batch`` (a microbatch, say), 0 if they cannot be counted."""
-        return max(self.describe(batch)[0], 0)
+    def samples(self, batch: Any) -> int:
+        """Samples in ``batch`` (a microbatch, say), as Composer counts them; -1 if they cannot be counted."""
+        return self.describe(batch)[0]
 
     def set_epoch(self, epoch: int) -> None:
         """Called at every epoch start: reshuffles a ``DistributedSampler`` as Composer would."""
@@ -320,7 +320,7 @@ class JoinLoader:
         """The user's dataloader for this epoch (through its position adapter, if its data keeps a position)."""
         if self.positions is None:
             return iter(self.dataloader)
-        return self.positions.open(self.dataloader, resumed, lambda batch: self.describe(batch)[0], self._used)
+        return self.positions.open(self.dataloader, resumed, self.samples, self._used)
 
     def _used(self) -> int:
         return self.source.used(self._now.steps, self._now.trained)

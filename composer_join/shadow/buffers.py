@@ -49,6 +49,10 @@ class BufferGuard:
         changes.call(self.restore)
 
     def _snapshot(self, _module, _args) -> None:
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        """Save the buffers now, if armed and not saved yet (what the pre-hook does before a forward)."""
         if self.armed and not self._saved:
             self._saved = [
                 (owner, name, b, b.detach().clone())

@@ -1,0 +1,174 @@
+"""What UnevenJoin does at every microbatch of a step, an evaluation or ``predict()``: shadow or real, and its metrics.
+
+:class:`Microbatches` is made once per run (a trainer's first active start) and called by
+:class:`~composer_join.join.session.Run` from Composer's per-microbatch events, on every rank:
+
+* :meth:`Microbatches.start` (``BEFORE_FORWARD``, ``EVAL_BEFORE_FORWARD``, ``PREDICT_BEFORE_FORWARD``; the
+  algorithm pass asks first): whether this microbatch is a stand-in (a joined rank's, or an empty padding one);
+* :meth:`Microbatches.feed`: a stand-in's forward gets two real samples instead of the empty batch (a fresh
+  copy of a template every time: models take apart the batch they are given); a real one keeps a template;
+* :meth:`Microbatches.stand_in_for_others` (a shadow step's ``AFTER_DATALOADER``, first and last): the other
+  algorithms see the template, then the zero-sample batch comes back, the model's buffers as they were;
+* :meth:`Microbatches.keep_metrics_out` / :meth:`Microbatches.metrics_back`: a stand-in's updates never
+  reach the train or eval metrics, which a shadow microbatch still makes syncable
+  (:mod:`composer_join.interop.metrics`).
+
+Cost: a template of two samples per dataloader label, kept on the device; per stand-in microbatch, a copy of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from composer.core import State
+
+from composer_join.core.batches import first_samples
+from composer_join.core.plan import StepPlan
+from composer_join.interop.metrics import MetricStates, count_shadow_update, shadow_update
+from composer_join.interop.oom import EvalRetry
+from composer_join.shadow.buffers import BufferGuard
+
+__all__ = ['TEMPLATE_SAMPLES', 'Microbatches']
+
+TEMPLATE_SAMPLES = 2
+"""Samples in a shadow forward: two, so that BatchNorm in training mode accepts it."""
+
+
+class Microbatches:
+    """The current microbatch's shadowing: its input, the buffers around other algorithms, the metrics it keeps out.
+
+    Args:
+        plan: ``() ->`` the current step's plan (None outside a step).
+        rank: this rank.
+        counts: ``batch -> its samples`` with the current dataloader's ``DataSpec`` (-1: uncountable; None: no
+            loader is current, e.g. ``predict()`` left to Composer).
+        template: ``() ->`` the current loader's template (first samples of a real batch, this rank's or, with no
+            data of its own, another rank's), on the CPU.
+        to_device: where metric states go (the trainer's device).
+    """
+
+    def __init__(
+        self,
+        plan: Callable[[], Optional[StepPlan]],
+        rank: int,
+        counts: Callable[[], Optional[Callable[[Any], int]]],
+        template: Callable[[], Any],
+        to_device: Callable[[torch.Tensor], torch.Tensor],
+    ):
+        self.plan, self.rank, self.counts, self.loader_template = plan, rank, counts, template
+        self.shadow = False  # the current microbatch is a stand-in
+        self.fed = True  # the current train microbatch's forward ran on the input feed() gave it
+        self._templates: dict[str, Any] = {}  # per dataloader label: two prepared samples, on the device
+        self._held: Optional[tuple[Any, BufferGuard]] = None  # a shadow step's AFTER_DATALOADER: its batch, buffers
+        self._stashed: Optional[tuple[dict, dict]] = None  # metrics emptied for a stand-in, and their content
+        self.metric_states = MetricStates()  # list-state metrics made syncable on ranks with no data
+        self.metric_states.to_device = to_device
+        self.eval_retry = EvalRetry()  # automatic eval microbatching: undo a retried batch's metric updates
+
+    @property
+    def shadow_step(self) -> bool:
+        """This rank runs a shadow step: it has run out of data, others have not."""
+        plan = self.plan()
+        return plan is not None and not plan.has_batch(self.rank)
+
+    def start(self, state: State) -> int:
+        """A microbatch starts: decide whether it is a stand-in; return its samples (0 if none or uncountable)."""
+        count = self.counts()
+        samples = count(state.batch) if count is not None else -1
+        self.shadow = self.shadow_step or samples == 0
+        return max(samples, 0)
+
+    def forget(self, label: str) -> None:
+        """Drop ``label``'s template (``predict()``: each call may bring other data)."""
+        self._templates.pop(label, None)
+
+    def feed(self, state: State) -> None:
+        """Stand-in: give the forward two real samples instead of the empty batch; real: keep two.
+
+        A model may take apart the batch it is given (``HuggingFaceModel.eval_forward`` pops ``labels`` and
+        shifts them in place), so no batch object goes to the model twice: the template is a copy taken before
+        the forward, and every stand-in microbatch gets a fresh copy of it.
+        """
+        label = state.dataloader_label
+        if not self.shadow:
+            if label not in self._templates:
+                self._templates[label] = first_samples(state.batch, TEMPLATE_SAMPLES)
+            return
+        state.batch = first_samples(self.template(state), TEMPLATE_SAMPLES)
+
+    def template(self, state: State) -> Any:
+        """The current dataloader's template: this rank's first samples, or (never had data) the one other ranks sent."""
+        label = state.dataloader_label
+        if label not in self._templates:
+            self._templates[label] = state.device.batch_to_device(
+                first_samples(self.loader_template(), TEMPLATE_SAMPLES)
+            )
+        return self._templates[label]
+
+    def stand_in_for_others(self, state: State) -> bool:
+        """A shadow step's ``AFTER_DATALOADER``: run first (returns True) and last (False), see :mod:`.passes`.
+
+        First: the zero-sample batch is put aside and the two-sample stand-in takes its place, so the
+        other algorithms (SelectiveBackprop's extra forward: a collective under FSDP, a buffer broadcast
+        under DDP) run as on every rank. Last: the zero-sample batch comes back (Composer counts and
+        splits it), with the module buffers as they were (a :class:`~composer_join.shadow.buffers.BufferGuard`:
+        buffers a forward replaced come back too).
+        """
+        if self._held is None:
+            guard = BufferGuard(state.model)
+            guard.armed = True
+            guard.snapshot()
+            self._held = (state.batch, guard)
+            self.shadow = True
+            self.feed(state)
+            return True
+        state.batch, guard = self._held
+        self._held = None
+        guard.restore()
+        return False
+
+    def keep_train_metrics_out(self, state: State) -> None:
+        """After a stand-in's backward: its update probes the metrics (so they stay syncable), then they are emptied.
+
+        The metrics see the batch the forward ran on: the template, or (a forward that communicates, run on the
+        zero-sample batch) none of it; without outputs (a skipped forward) ``eval_forward`` runs it.
+        """
+        if not (self.shadow and state.train_metrics):
+            return
+        template = self.template(state)
+        rows = TEMPLATE_SAMPLES if self.fed or state.outputs is None else 0
+        self.metric_states.probe(
+            state.dataloader_label, state.train_metrics, shadow_update(state, lambda: first_samples(template, rows))
+        )
+        self._stash(state.train_metrics)
+
+    def keep_eval_metrics_out(self, state: State) -> None:
+        """After a stand-in's eval forward: as :meth:`keep_train_metrics_out`, for the evaluator's metrics."""
+        if not self.shadow:
+            return
+        metrics = state.eval_metrics[state.dataloader_label]
+        self.metric_states.probe(state.dataloader_label, metrics, shadow_update(state))
+        self._stash(metrics)
+
+    def metrics_back(self, state: State, metrics: Optional[dict]) -> None:
+        """The step or eval batch ends: refill the metrics a stand-in emptied, make list states syncable."""
+        shadowed = self._stashed is not None
+        if self._stashed is not None:
+            emptied, saved = self._stashed
+            emptied.update(saved)
+            self._stashed = None
+        if shadowed:  # no "compute before update" warning that the ranks with data do not give
+            count_shadow_update(metrics or {})
+        self.metric_states.fill(state.dataloader_label, metrics or {})  # Composer computes them next
+
+    def _stash(self, metrics: dict) -> None:
+        """Empty ``metrics`` in place for this stand-in microbatch; :meth:`metrics_back` refills it.
+
+        Stand-in microbatches come last in a step (padding follows the real ones), so once stashed, the metrics
+        stay out until the step or eval batch ends.
+        """
+        if self._stashed is None:
+            self._stashed = (metrics, dict(metrics))
+        metrics.clear()

@@ -1,0 +1,295 @@
+"""What UnevenJoin holds for one trainer while it is active, and the work it does at each of Composer's events.
+
+:class:`Run` is made at the trainer's first active start event (``FIT_START``, ``EVAL_START`` or
+``PREDICT_START``) by :class:`~composer_join.UnevenJoin`, which routes every event to one of its methods
+(the algorithm's table). A run holds:
+
+* the wrapper's part (:mod:`composer_join.wrappers`: DDP, FSDP1/2 or none), chosen once;
+* the join's loader of the current fit (:class:`~composer_join.join.loader.JoinLoader`) and one per evaluator
+  label (each start builds a new one; an earlier one gives its template), and which one's plan is current;
+* the per-rank positions of train data that keeps one (:mod:`composer_join.data.resume`);
+* the microbatch bookkeeping (:class:`~composer_join.join.microbatches.Microbatches`);
+* Composer's train ``dataloader_len`` while it is lifted (:func:`~composer_join.join.loader.lift_cap`).
+
+Every change to an object UnevenJoin does not own is made per iteration over a dataloader, through the loader's
+register of changes (:mod:`composer_join.core.changes`), and undone when that iteration ends, also when the run
+raises; what a fit changes on Composer's own ``State`` (its checkpointed attributes) is put back at ``FIT_END``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from composer.core import Event, State
+from composer.loggers import Logger
+from composer.utils import dist
+
+from composer_join.core.changes import Changes
+from composer_join.core.plan import StepPlan
+from composer_join.core.report import EpochReport
+from composer_join.core.source import BatchSource
+from composer_join.data.positions import position_for
+from composer_join.data.resume import RankPositions, Resumed, check_world_size, train_position
+from composer_join.interop.closures import agree_on_closures
+from composer_join.interop.predict import empty_outputs
+from composer_join.interop.refusals import refuse_incompatible
+from composer_join.interop.replan import replan
+from composer_join.join.loader import JoinLoader, join_dataloader, lift_cap, pads_by_repeating
+from composer_join.join.microbatches import TEMPLATE_SAMPLES, Microbatches
+from composer_join.shadow.buffers import checkpoint_due
+from composer_join.shadow.gradients import scale_grad
+from composer_join.wrappers import wrapper_for
+
+__all__ = ['Run']
+
+log = logging.getLogger(__name__)
+
+
+class Run:
+    """One trainer's UnevenJoin while active: its loaders, positions and wrapper part, per Composer event.
+
+    Args:
+        state: the trainer's state, at its first active start event.
+        settings: the algorithm's ``(mode, divide_by_initial_world_size, throw_on_early_termination)`` and
+            its settings row (:func:`composer_join.core.settings.row`), compared across ranks.
+        reports: the algorithm's list of finished epochs' reports (appended to at ``EPOCH_END``).
+        resumed: what a checkpoint gave, if Composer loaded one before this start.
+    """
+
+    def __init__(
+        self,
+        state: State,
+        mode: str,
+        divide_by_initial_world_size: bool,
+        throw_on_early_termination: bool,
+        settings_row: list[int],
+        reports: list[EpochReport],
+        resumed: Optional[Resumed],
+    ):
+        self.state = state
+        self.mode, self.divide, self.throw = mode, divide_by_initial_world_size, throw_on_early_termination
+        self.settings_row, self.reports, self.resumed = settings_row, reports, resumed
+        self.rank = dist.get_global_rank()
+        self.wrapper = wrapper_for(state, self.rank)
+        self.wrapper.load_state_dict(resumed.wrapper if resumed is not None else {})
+        self.loader: Optional[JoinLoader] = None  # the loader whose plan is current (train or eval)
+        self.train: Optional[JoinLoader] = None
+        self.evals: dict[str, JoinLoader] = {}
+        self.positions: Optional[RankPositions] = None
+        self.cap: Any = None  # Composer's train dataloader_len, lifted at EPOCH_START until BEFORE_DATALOADER
+        self.microbatches = Microbatches(
+            self.plan,
+            self.rank,
+            lambda: self.loader.samples if self.loader is not None else None,
+            lambda: self.loader.template if self.loader is not None else None,
+            state.device.tensor_to_device,
+        )
+
+    def plan(self) -> Optional[StepPlan]:
+        """The current step's plan, while a training epoch or an evaluation is running."""
+        return self.loader.current_plan() if self.loader is not None else None
+
+    def shadows(self, event: Event) -> bool:
+        """Whether the current microbatch is a stand-in; for the algorithm pass, which asks before ``apply()``."""
+        if event in (Event.BEFORE_FORWARD, Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD):
+            self.microbatches.start(self.state)
+        return self.microbatches.shadow
+
+    # -- starts and ends ---------------------------------------------------------------------------
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        resumed, self.resumed = self.resumed, None
+        resized = check_world_size(resumed, state)  # raises mid-epoch on another world size
+        # the checkpoint of an epoch's last batch, on another world size: that epoch ends with no batch
+        finished = resized and int(state.timestamp.batch_in_epoch) > 0
+        if resized:
+            self.wrapper.load_state_dict({})  # DDP: buffers are equal on every rank in a checkpoint
+        self.train = self.loader = loader = join_dataloader(
+            state,
+            self.train,
+            self.throw,
+            rebalance=self.mode == 'rebalance',
+            settings=self.settings_row,
+            install=lambda changes: self._install_train(state, changes),
+            positions=lambda source: self._rank_positions(state, source),
+            start=lambda: train_position(state, finished),
+            # (at a boundary on another world size, the report of a finished epoch of the old ranks is not this one)
+            report=resumed.current if resumed is not None and (finished or not resized) else None,
+        )
+        self.positions = loader.positions
+        if self.positions is not None and resumed is not None and resumed.ranks is not None and not resized:
+            own = self.positions.load(resumed.ranks)
+            if int(state.timestamp.sample_in_epoch) > 0:
+                loader.resume(own, resumed.ranks)
+        self.wrapper.fit_start(state, self.plan)
+        refuse_incompatible(state.algorithms, TEMPLATE_SAMPLES)
+
+    def _install_train(self, state: State, changes: Changes) -> None:
+        """Each iteration over the train dataloader: the wrapper's changes, and optimizers that branch on the loss."""
+        self.wrapper.install(changes, state, self.plan)
+        agree_on_closures(state.optimizers, lambda: self.microbatches.shadow_step, changes)
+
+    def _rank_positions(self, state: State, source: BatchSource) -> Optional[RankPositions]:
+        """Per-rank positions for train data that keeps its own (None: left to Composer), read through ``source``."""
+        # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader (left untouched).
+        dataloader = state.train_dataloader
+        dataset = state._dataset_of(dataloader)
+        reused = self.positions
+        if reused is not None and reused.position.target in (dataloader, dataset):
+            position = reused.position  # a second fit() on the same data: it knows what it loaded into it
+        else:
+            position = position_for(dataloader, dataset, replay=source.reads_ahead)
+        return None if position is None else RankPositions(state, position)
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self.wrapper.fit_end(state)
+        if self.positions is not None:
+            self.positions.close()
+
+    def eval_start(self, state: State, logger: Logger) -> None:
+        label = state.dataloader_label
+        if pads_by_repeating(state.dataloader):
+            # torch's DistributedSampler evens shards out by repeating samples, and Composer's eval
+            # loop removes exactly those repeats: nothing is uneven, leave it to Composer.
+            self.loader = None
+            return
+        evaluator = next((e for e in state.evaluators if e.label == label), None)
+        self.evals[label] = self.loader = join_dataloader(
+            state,
+            self.evals.get(label),
+            microbatch_size=(lambda: evaluator.device_eval_microbatch_size) if evaluator is not None else None,
+            settings=self.settings_row,
+            install=lambda changes: self.wrapper.install_eval(changes, state, self.plan),
+        )
+        self.loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
+        lift_cap(state, self.loader)  # Composer puts the train cap back after the evaluation
+        self.wrapper.eval_start(state, self.plan)
+
+    def predict_start(self, state: State, logger: Logger) -> None:
+        """``Trainer.predict()``: every rank predicts its whole shard; ranks that run out shadow (no outputs)."""
+        if pads_by_repeating(state.dataloader):
+            self.loader = None  # torch's DistributedSampler: evened out by repeats, Composer's business
+            return
+        self.microbatches.forget(state.dataloader_label)  # each predict() may bring other data
+        self.loader = join_dataloader(
+            state,
+            microbatch_size=-1,
+            install=lambda changes: self.wrapper.install_eval(changes, state, self.plan),
+        )
+        lift_cap(state, self.loader)
+        self.wrapper.eval_start(state, self.plan)
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        """``EVAL_END``, ``PREDICT_END``: stop every rank if some rank could not form a batch; the train plan again."""
+        if self.loader is not None:
+            self.loader.check_ended_together()
+        self.loader = self.train
+
+    # -- a training epoch --------------------------------------------------------------------------
+
+    def epoch_start(self, state: State, logger: Logger) -> None:
+        self.train.set_epoch(int(state.timestamp.epoch))
+        self.cap = lift_cap(state, self.train)
+
+    def before_dataloader(self, state: State, logger: Logger) -> None:
+        if self.cap is not None:  # Composer's loop has read it: schedules and durations read it from here on
+            state.dataloader_len, self.cap = self.cap, None
+
+    def after_dataloader(self, state: State, logger: Logger) -> None:
+        """Only where other algorithms run at it (:mod:`composer_join.join.passes`): a shadow step's stand-in for
+        them, first and last; every step: the ranks' counts again, which they may have changed."""
+        if self.microbatches.shadow_step and self.microbatches.stand_in_for_others(state):
+            return
+        samples, microbatches = self.loader.describe(state.batch)
+        self.loader.plan = replan(self.plan(), samples, microbatches, state.device.tensor_to_device)
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        """Stop every rank if some rank could not form a batch; log the epoch's report (rebalance: bytes moved)."""
+        self.train.check_ended_together()
+        report = self.train.report
+        if not self.train.finished_on_resume:  # (an epoch of the old world size: not this source's)
+            self.train.source.complete(report)
+        self.reports.append(report)
+        logger.log_metrics(report.metrics())  # type: ignore[arg-type]  # ints are floats to a logger
+        if self.rank == 0:
+            log.info('UnevenJoin %s', report.summary())
+
+    def checkpoint(self, state: State, logger: Logger, event: Event) -> None:
+        """A ``*_CHECKPOINT`` event at which a checkpoint is saved: the wrapper makes its contents equal on every rank."""
+        if checkpoint_due(state, event):
+            self.wrapper.before_checkpoint(state)
+
+    # -- a training step ---------------------------------------------------------------------------
+
+    def before_train_batch(self, state: State, logger: Logger) -> None:
+        self.wrapper.start_step(self.plan())
+
+    def before_forward(self, state: State, logger: Logger) -> None:
+        samples = self.microbatches.start(state)
+        shadow = self.microbatches.shadow
+        self.microbatches.fed = not self.wrapper.before_forward(state, self.plan(), samples, shadow)
+        if self.microbatches.fed:
+            self.microbatches.feed(state)
+
+    def after_forward(self, state: State, logger: Logger) -> None:
+        self.wrapper.after_forward(state, self.plan())
+
+    def after_loss(self, state: State, logger: Logger) -> None:
+        self.wrapper.after_loss(state, self.plan())
+
+    def before_backward(self, state: State, logger: Logger) -> None:
+        """Weight the gradient: 0 for a stand-in, ``A_t / W`` if asked (last: after any algorithm rewrote the loss)."""
+        plan = self.plan()
+        factor = 0.0 if self.microbatches.shadow else plan.grad_factor(self.divide)
+        if factor != 1.0:
+            state.loss = scale_grad(state.loss, factor)
+
+    def after_backward(self, state: State, logger: Logger) -> None:
+        self.wrapper.after_backward(state, self.plan(), self.microbatches.shadow)
+        self.microbatches.keep_train_metrics_out(state)
+
+    def after_train_batch(self, state: State, logger: Logger) -> None:
+        self.microbatches.metrics_back(state, state.train_metrics)
+
+    # -- an evaluation or predict() batch ----------------------------------------------------------
+
+    def eval_batch_start(self, state: State, logger: Logger) -> None:
+        self.microbatches.eval_retry.batch_start(state)
+
+    def eval_before_forward(self, state: State, logger: Logger) -> None:
+        self.microbatches.eval_retry.before_forward(state)
+        self.predict_before_forward(state, logger)
+
+    def predict_before_forward(self, state: State, logger: Logger) -> None:
+        self.microbatches.start(state)
+        self.microbatches.feed(state)
+
+    def eval_after_forward(self, state: State, logger: Logger) -> None:
+        self.microbatches.keep_eval_metrics_out(state)
+
+    def eval_batch_end(self, state: State, logger: Logger) -> None:
+        self.microbatches.metrics_back(state, state.eval_metrics.get(state.dataloader_label))
+
+    def predict_after_forward(self, state: State, logger: Logger) -> None:
+        if self.microbatches.shadow:
+            empty_outputs(state)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def saved(self) -> dict[str, Any]:
+        """What this run puts in UnevenJoin's checkpoint entry (collective where positions are gathered)."""
+        loader, resumed = self.train, self.resumed
+        if loader is None:  # no fit yet: what a checkpoint gave, unchanged
+            return {
+                'current': resumed.current if resumed is not None else None,
+                'wrapper': self.wrapper.state_dict(),
+                'ranks': resumed.ranks if resumed is not None else None,
+                'epoch_done': resumed.epoch_done if resumed is not None else False,
+            }
+        return {
+            'current': loader.report,
+            'wrapper': self.wrapper.state_dict(),
+            'ranks': self.positions.gather(loader.progress()) if self.positions is not None else None,
+            'epoch_done': loader.epoch_done(),
+        }

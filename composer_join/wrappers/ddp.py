@@ -49,7 +49,17 @@ from composer_join.shadow.shadow import (
 )
 from composer_join.wrappers.wrapper import Wrapper
 
-__all__ = ['BufferSource', 'DDPWrapper', 'MicrobatchSync', 'broadcast_buffers_from', 'sync_buffers']
+__all__ = [
+    'BufferSource',
+    'DDPWrapper',
+    'MicrobatchSync',
+    'NoModelCode',
+    'ShadowWay',
+    'ZeroSamples',
+    'broadcast_buffers_from',
+    'shadow_way',
+    'sync_buffers',
+]
 
 
 def broadcast_buffers_from(ddp: DistributedDataParallel, source_rank: Callable[[], int]) -> None:
@@ -173,6 +183,89 @@ def disarm_after_retry(ddp: DistributedDataParallel) -> None:
         reducer._reset_state()
 
 
+class ShadowWay:
+    """How a shadow microbatch runs under DDP: the interface of the three ways, and the one that runs the model's
+    forward and loss on two template samples (any DDP configuration: gradient weight zero, buffers guarded).
+
+    :class:`DDPWrapper` picks one per DDP object (:func:`shadow_way`) and asks it, for every shadow microbatch,
+    to :meth:`begin` (``BEFORE_FORWARD``: stand-ins go through ``microbatch``, a register undone at the end of the
+    microbatch; returns True if the microbatch needs no template input) and whether the loss Composer computes
+    then is the model's own (:attr:`model_loss`, recorded for the stand-ins' loss structure).
+    """
+
+    name = 'template'
+    model_loss = True  # the loss of its microbatch is the model's own (on the template)
+    guarded = True  # its forward runs: the buffers are guarded and restored after the backward
+    pads = False  # every rank runs the step's largest microbatch count
+    probes = False  # a forward that communicates must be found (no forward runs: it would not be matched)
+
+    def __init__(self, loss_shape: Optional[LossShape] = None):
+        self.loss_shape = loss_shape or LossShape()  # the structure of the model's loss, for stand-in losses
+
+    def begin(self, state: State, microbatch: Changes) -> bool:
+        return False
+
+    def after_retry(self) -> ShadowWay:
+        """The way to use after a step Composer retried (automatic microbatching)."""
+        return self
+
+
+class ZeroSamples(ShadowWay):
+    """Where the forward communicates (:func:`~composer_join.shadow.shadow.forward_communicates`: SyncBatchNorm):
+    the model's forward on the zero-sample batch, a zero loss connected to its outputs, microbatch counts padded
+    to the step's largest, buffers guarded (SyncBatchNorm's own, global statistics, excepted)."""
+
+    name = 'zero'
+    model_loss = False
+    pads = True
+
+    def begin(self, state: State, microbatch: Changes) -> bool:
+        microbatch.set(state.model.module, 'loss', lambda outputs, batch: connected_zero_loss(self.loss_shape, outputs))
+        return True  # the forward runs on the zero-sample batch itself
+
+
+class NoModelCode(ShadowWay):
+    """The default (:func:`~composer_join.shadow.shadow.skippable`): no model code at all, only DDP's collectives
+    (:class:`~composer_join.shadow.shadow.DDPShadow`). Its stand-in loss copies the structure of the model's loss,
+    so a rank that has not computed one yet (it had no data of its own) runs its first shadow microbatches the
+    template way, :class:`ShadowWay`'s."""
+
+    name = 'skip'
+    probes = True
+
+    def __init__(self, stand_in: DDPShadow):
+        super().__init__(stand_in.loss_shape)
+        self.stand_in = stand_in
+        self.skipping = False  # the current microbatch runs no model code
+
+    @property
+    def model_loss(self) -> bool:  # type: ignore[override]
+        return not self.skipping
+
+    @property
+    def guarded(self) -> bool:  # type: ignore[override]
+        return not self.skipping
+
+    def begin(self, state: State, microbatch: Changes) -> bool:
+        self.skipping = self.stand_in.loss_shape.known
+        if self.skipping:
+            self.stand_in.install(microbatch)
+        return self.skipping
+
+    def after_retry(self) -> ShadowWay:
+        """The template way: the reducer's bucket-to-parameter map may be stale now (:func:`disarm_after_retry`)."""
+        return ShadowWay(self.loss_shape)
+
+
+def shadow_way(ddp: DistributedDataParallel) -> ShadowWay:
+    """The way shadow microbatches of ``ddp`` run, decided once per DDP object (see :class:`DDPWrapper`)."""
+    if skippable(ddp) is None:
+        return NoModelCode(DDPShadow(ddp, ddp.module, ddp.device))
+    if forward_communicates(ddp.module):
+        return ZeroSamples()
+    return ShadowWay()
+
+
 class DDPWrapper(Wrapper):
     """UnevenJoin's DDP-specific part: buffer source and syncs, inert shadow microbatches, per-microbatch gradient sync.
 
@@ -180,17 +273,10 @@ class DDPWrapper(Wrapper):
     ``DistributedDataParallel``. Hooks are installed once per DDP object, at its first ``FIT_START``.
     Its changes to the model (buffer and probe hooks, microbatch padding on the train ``DataSpec``) are made
     by :meth:`install` at every iteration over the train dataloader and undone with it.
-    A shadow microbatch runs one of three ways, decided once per DDP object:
-
-    * ``'skip'`` (the default): no model code (:class:`~composer_join.shadow.shadow.DDPShadow`). The
-      stand-in loss copies the structure of the model's loss, so a rank that has not computed
-      one yet (it had no data of its own) runs its first shadow microbatch the template way below;
-    * ``'zero'``, where the forward communicates (:func:`~composer_join.shadow.shadow.forward_communicates`):
-      the model's forward on the zero-sample batch, a zero loss connected to the outputs,
-      microbatch counts padded to the step's largest;
-    * ``'template'`` (DDP configurations the stand-in does not cover, see
-      :func:`~composer_join.shadow.shadow.skippable`): the forward and loss on two template samples,
-      gradient weight zero, buffers guarded.
+    A shadow microbatch runs one of three ways (:class:`ShadowWay`), decided once per DDP object: no model code
+    (:class:`NoModelCode`, the default), the forward on zero samples where it communicates (:class:`ZeroSamples`),
+    or the forward and loss on two template samples (:class:`ShadowWay`, for DDP configurations the stand-in
+    does not cover). After a step Composer retried (automatic microbatching), the template way.
     """
 
     def __init__(self, rank: int):
@@ -202,12 +288,16 @@ class DDPWrapper(Wrapper):
         self._oom = OOMChecks()
         self._first_microbatch = True
         self._last_step: Optional[int] = None  # timestamp.batch of the last step started
-        self._stand_in: Optional[DDPShadow] = None
-        self.mode = 'template'
-        self._shadowing: Optional[str] = None  # how the current microbatch shadows (None: real)
+        self.way: ShadowWay = ShadowWay()
+        self._shadowing: Optional[ShadowWay] = None  # the way the current microbatch shadows (None: real)
         self._padding: Optional[MicrobatchPadding] = None
         self._probe: Optional[ForwardProbe] = None
         self._microbatch = Changes()  # the current shadow microbatch's stand-ins (forward, loss)
+
+    @property
+    def mode(self) -> str:
+        """The way shadow microbatches run: ``'skip'``, ``'zero'`` or ``'template'`` (:class:`ShadowWay`)."""
+        return self.way.name
 
     def state_dict(self) -> dict[str, Any]:
         return {'buffer_source': self._source.rank}
@@ -220,17 +310,10 @@ class DDPWrapper(Wrapper):
         if ddp is not self._hooked:  # DDP's buffer hook: on Composer's own wrapper, once (torch cannot unhook it)
             broadcast_buffers_from(ddp, lambda: self._source.rank)
             self._hooked = ddp
-            why = skippable(ddp)
-            if why is None:
-                self.mode = 'skip'
-                self._stand_in = DDPShadow(ddp, ddp.module, ddp.device)
-                self._probe = ForwardProbe(ddp.module)
-            elif forward_communicates(ddp.module):
-                self.mode = 'zero'
-            self._loss_shape = self._stand_in.loss_shape if self._stand_in is not None else LossShape()
-            self._guard = BufferGuard(
-                ddp.module, keep=lambda m: self.mode == 'zero' and isinstance(m, torch.nn.SyncBatchNorm)
-            )
+            self.way = shadow_way(ddp)
+            self._probe = ForwardProbe(ddp.module) if self.way.probes else None
+            keep = self.way.pads  # SyncBatchNorm's statistics are global: a shadow forward on zero samples keeps them
+            self._guard = BufferGuard(ddp.module, keep=lambda m: keep and isinstance(m, torch.nn.SyncBatchNorm))
         if self._probe is not None:
             self._probe.armed, self._probe.found = True, []
 
@@ -243,7 +326,7 @@ class DDPWrapper(Wrapper):
         if spec is not None:
             # Forwards that communicate ('zero'): every rank runs the step's largest microbatch count (the
             # padding FSDP uses). Otherwise only count microbatches, for automatic microbatching's OOM checks.
-            pad = self.mode == 'zero'
+            pad = self.way.pads
             self._padding = MicrobatchPadding.install(
                 spec,
                 changes,
@@ -278,8 +361,7 @@ class DDPWrapper(Wrapper):
             self._first_microbatch, step = False, int(state.timestamp.batch)
             if step == self._last_step and state.auto_microbatching:  # Composer retries this step
                 disarm_after_retry(state.model)
-                if self.mode == 'skip':  # the reducer's bucket-to-parameter map may be stale now (disarm_after_retry)
-                    self.mode = 'template'
+                self.way = self.way.after_retry()
             self._last_step = step
         self._sync.before_forward(state.model, plan, self._rank, samples)
         self._end_shadow(state)  # a microbatch that did not finish (e.g. an OOM retry) leaves no stand-in behind
@@ -287,18 +369,10 @@ class DDPWrapper(Wrapper):
             raise self._communicating_forward(plan)
         if not shadow:
             return False
-        if self.mode == 'skip' and self._stand_in.loss_shape.known:
-            self._shadowing = 'skip'
-            self._stand_in.install(self._microbatch)
-            return True
-        self._shadowing = 'zero' if self.mode == 'zero' else 'template'
-        self._guard.armed = True
-        if self.mode == 'zero':
-            self._microbatch.set(
-                state.model.module, 'loss', lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
-            )
-            return True  # the forward runs on the zero-sample batch itself
-        return False
+        self._shadowing = self.way
+        inert = self.way.begin(state, self._microbatch)
+        self._guard.armed = self.way.guarded
+        return inert
 
     def _communicating_forward(self, plan: StepPlan) -> UnevenInputsError:
         kinds = ', '.join(sorted(set(self._probe.found)))
@@ -315,8 +389,8 @@ class DDPWrapper(Wrapper):
         self._oom.after_forward(state)
 
     def after_loss(self, state: State, plan: StepPlan) -> None:
-        if self._shadowing in (None, 'template'):  # the model's own loss (on the template: a rank with no data yet)
-            self._loss_shape.record(state.loss)
+        if self._shadowing is None or self._shadowing.model_loss:  # the model's own (on the template: no data yet)
+            self.way.loss_shape.record(state.loss)
         self._oom.after_loss(state)
 
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
@@ -326,6 +400,6 @@ class DDPWrapper(Wrapper):
 
     def _end_shadow(self, state: State) -> None:
         self._microbatch.undo()
-        if self._shadowing not in (None, 'skip'):
+        if self._shadowing is not None and self._shadowing.guarded:
             self._guard.restore()
         self._shadowing = None

@@ -13,6 +13,7 @@ import torch
 from composer import Callback
 from torch.nn.parallel import DistributedDataParallel
 
+from composer_join.core import compat
 from composer_join.join.algorithm import is_shadow_step
 
 __all__ = ['CollectiveCounter']
@@ -46,7 +47,7 @@ class CollectiveCounter(Callback):
         'broadcast_object_list',
         'all_gather_object',
         'barrier',
-        '_broadcast_coalesced',
+        compat.DDP_BROADCAST,
     )
 
     def __init__(self):
@@ -57,7 +58,11 @@ class CollectiveCounter(Callback):
         self._originals: dict[str, Any] = {}
 
     def _wrap(self, kind):
-        original = getattr(torch.distributed, kind)
+        original = (
+            compat.private(torch.distributed, kind, 'torch')
+            if kind.startswith('_')
+            else getattr(torch.distributed, kind)
+        )
         self._originals[kind] = original
 
         def counted(*args, **kwargs):

@@ -52,6 +52,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
+from composer_join.core import compat
+
 __all__ = ['MetricStates', 'count_shadow_update', 'shadow_update']
 
 log = logging.getLogger(__name__)
@@ -70,11 +72,11 @@ def _leaves(metric: Metric) -> Iterator[Metric]:
         seen.add(id(module))
         if isinstance(module, Metric):
             yield module
-        todo.extend(m for m in module._modules.values() if m is not None)
+        todo.extend(module.children())
 
 
 def _list_states(metric: Metric) -> list[str]:
-    return [a for a, d in metric._defaults.items() if isinstance(d, list)]
+    return compat.metric_list_states(metric)
 
 
 def _has_list_states(metric: Metric) -> bool:
@@ -167,7 +169,7 @@ class MetricStates:
                     if not isinstance(value, list):
                         continue  # already synced or reduced
                     known = learned[i].get(attr) if learned is not None and i < len(learned) else None
-                    reduction = leaf._reductions.get(attr)
+                    reduction = compat.metric_reduction(leaf, attr)
                     if reduction is dim_zero_cat:
                         if not value and known is not None:
                             value.append(_to(known, leaf.device))
@@ -221,15 +223,15 @@ def count_shadow_update(metrics: dict[str, Metric]) -> None:
     for metric in metrics.values():
         if isinstance(metric, Metric):
             for leaf in _leaves(metric):
-                if leaf._update_count == 0:
-                    leaf._update_count = 1
+                if compat.update_count(leaf) == 0:
+                    compat.set_update_count(leaf, 1)
 
 
 def _element_empty(leaf: Metric, attr: str) -> Any:
     value = getattr(leaf, attr)
     if not value:
         return None
-    if leaf._reductions.get(attr) is dim_zero_cat:
+    if compat.metric_reduction(leaf, attr) is dim_zero_cat:
         return _cat_empty(value)
     return _empty_like(value[-1])
 

@@ -43,6 +43,8 @@ import torch
 from composer.core import State
 from composer.distributed.shared_utils import generate_oom_hook
 
+from composer_join.core import compat
+
 __all__ = ['EvalRetry', 'OOMChecks', 'check']
 
 
@@ -132,7 +134,7 @@ def _evaluator(state: State):
 
 
 def _metric_state(metric: Any) -> dict[str, Any]:
-    names = list(getattr(metric, '_defaults', {})) + ['_update_count', '_computed']
+    names = compat.metric_state_names(metric)
     return {n: _copy(getattr(metric, n)) for n in names if hasattr(metric, n)}
 
 

@@ -65,10 +65,10 @@ from typing import Any, Optional, cast
 
 import torch
 from composer.core import DataSpec, State
-from composer.trainer.trainer import _get_distributed_sampler
 from composer.utils import dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from composer_join.core import compat
 from composer_join.core.batches import first_samples, to_cpu
 from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
@@ -716,7 +716,7 @@ def lift_cap(state: State, loader: JoinLoader) -> Optional[Any]:
     if not loader.check_overflow or cap is None or loader.length is None or int(cap) != loader.length:
         return None
     loader.uncapped = True
-    state._dataloader_len = None  # Composer's setter would read len(loader) back: no public way to say "no cap"
+    compat.dataloader_cap_off(state)  # Composer's setter would read len(loader) back: no public way to say "no cap"
     return cap
 
 
@@ -735,7 +735,7 @@ def _distributed_sampler(dataloader: Any) -> Optional[DistributedSampler]:
     UnevenJoin reshuffles exactly the samplers Composer reshuffles, and leaves evaluation padding to Composer
     exactly where Composer removes it.
     """
-    return _get_distributed_sampler(dataloader) if isinstance(dataloader, DataLoader) else None
+    return compat.distributed_sampler(dataloader) if isinstance(dataloader, DataLoader) else None
 
 
 def pads_by_repeating(dataloader: Any) -> bool:

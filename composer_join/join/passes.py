@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 from composer.core import Algorithm, Event
 
+from composer_join.core import compat
 from composer_join.join.algorithm import MICROBATCH_EVENTS, UnevenJoin
 
 __all__ = ['install', 'join_pass']
@@ -72,7 +73,6 @@ def _with_join_pass(default_passes):
 
 def install() -> None:
     """Register :func:`join_pass` after Composer's default passes, for every Engine created from now on (idempotent)."""
-    from composer.core import engine
-
-    if not getattr(engine._get_default_passes, 'composer_join', False):
-        engine._get_default_passes = _with_join_pass(engine._get_default_passes)
+    passes = compat.default_passes()
+    if not getattr(passes, 'composer_join', False):
+        compat.set_default_passes(_with_join_pass(passes))

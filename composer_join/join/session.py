@@ -25,6 +25,7 @@ from composer.core import Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from composer_join.core import compat
 from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan
 from composer_join.core.report import EpochReport
@@ -134,7 +135,7 @@ class Run:
         """Per-rank positions for train data that keeps its own (None: left to Composer), read through ``source``."""
         # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader (left untouched).
         dataloader = state.train_dataloader
-        dataset = state._dataset_of(dataloader)
+        dataset = compat.dataset_of(state, dataloader)
         reused = self.positions
         if reused is not None and reused.position.target in (dataloader, dataset):
             position = reused.position  # a second fit() on the same data: it knows what it loaded into it

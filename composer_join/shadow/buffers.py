@@ -58,8 +58,7 @@ class BufferGuard:
                 (owner, name, b, b.detach().clone())
                 for owner in self.module.modules()
                 if not self._keep(owner)
-                for name, b in owner._buffers.items()
-                if b is not None
+                for name, b in owner.named_buffers(recurse=False)
             ]
 
     def restore(self) -> None:
@@ -71,8 +70,8 @@ class BufferGuard:
         with torch.no_grad():
             for owner, name, buffer, value in self._saved:
                 buffer.copy_(value)
-                if owner._buffers.get(name) is not buffer:
-                    owner._buffers[name] = buffer
+                if getattr(owner, name, None) is not buffer:
+                    setattr(owner, name, buffer)  # a registered buffer's name: nn.Module keeps it a buffer
         self._saved = []
         self.armed = False
 

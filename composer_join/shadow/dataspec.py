@@ -8,8 +8,8 @@ FSDP's padding) use the same functions:
 
 * :func:`spec_for`: the ``DataSpec`` of the dataloader being wrapped (the trainer's train
   ``DataSpec``, or the evaluator's), found from inside one of Composer's events (:func:`current_spec`: the same,
-  or None where Composer has none of its own);
-  :func:`train_data_spec`: the trainer's train ``DataSpec`` itself, found on the call stack;
+  or None where Composer has none of its own; the trainer's train ``DataSpec`` itself is found on the call
+  stack, :func:`composer_join.core.compat.train_data_spec`);
 * :func:`count_microbatches`: Composer's default split makes ``ceil(samples / microbatch size)``
   microbatches (computed, nothing split); a custom ``split_batch`` is called on the batch and its
   microbatches counted;
@@ -33,14 +33,12 @@ Example::
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from types import FrameType
 from typing import Any, Optional
 
 from composer.core import DataSpec, State
-from composer.core.data_spec import _default_split_batch
 
+from composer_join.core import compat
 from composer_join.core.changes import Changes
 
 __all__ = [
@@ -49,28 +47,10 @@ __all__ = [
     'count_samples',
     'current_spec',
     'spec_for',
-    'train_data_spec',
     'unwrapped_split',
 ]
 
 _COUNT_ERRORS = (ValueError, NotImplementedError, TypeError, AttributeError, IndexError, KeyError)
-
-
-def train_data_spec(state: State) -> Optional[DataSpec]:
-    """The ``DataSpec`` the running ``Trainer`` splits train batches with, found from inside one of its events.
-
-    Composer keeps it on the ``Trainer`` (``_train_data_spec``), which algorithms are not given;
-    this looks for the ``Trainer`` whose ``state`` is ``state`` on the call stack. None if not found.
-    """
-    frame: Optional[FrameType] = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get('self')
-        if getattr(owner, 'state', None) is state:
-            spec = getattr(owner, '_train_data_spec', None)
-            if isinstance(spec, DataSpec):
-                return spec
-        frame = frame.f_back
-    return None
 
 
 def current_spec(state: State) -> Optional[DataSpec]:
@@ -78,7 +58,7 @@ def current_spec(state: State) -> Optional[DataSpec]:
     ``DataSpec`` or an evaluator's; None if neither (``predict()``'s, say)."""
     label = state.dataloader_label
     if label == 'train':
-        spec = train_data_spec(state)
+        spec = compat.train_data_spec(state)
         if spec is not None:
             return spec
     for evaluator in state.evaluators:
@@ -125,7 +105,7 @@ def count_microbatches(spec: DataSpec, batch: Any, microbatch_size: Any, samples
     if not isinstance(microbatch_size, int) or microbatch_size <= 0:
         return 0
     split = unwrapped_split(spec)
-    if split is _default_split_batch:
+    if split is compat.default_split_batch():
         return max(1, -(-samples // microbatch_size)) if samples >= 0 else 0
     try:
         return max(1, len(list(split(batch, microbatch_size))))

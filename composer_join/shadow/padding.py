@@ -25,6 +25,7 @@ import torch
 from composer.core import DataSpec
 from composer.utils import dist
 
+from composer_join.core import compat
 from composer_join.core.batches import first_samples
 from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
@@ -142,6 +143,6 @@ class MicrobatchPadding:
 def _counts_as_empty(batch: Any, count: Optional[Callable[[Any], float]] = None) -> bool:
     """Whether the ``DataSpec`` (``count``; Composer's default if None) counts ``batch`` as zero samples, as UnevenJoin's shadow test does."""
     try:
-        return (count(batch) if count is not None else DataSpec._default_get_num_samples_in_batch(None, batch)) == 0  # type: ignore[arg-type]  # self unused
+        return (count(batch) if count is not None else compat.default_count(batch)) == 0
     except (ValueError, NotImplementedError, TypeError, AttributeError):
         return False

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from composer_join.core import compat
 from composer_join.core.batches import map_tensors
 from composer_join.core.changes import Changes
 
@@ -62,14 +63,12 @@ def skippable(ddp: DistributedDataParallel) -> Optional[str]:
     """None if :class:`DDPShadow` can stand in for ``ddp``'s forward and backward, else why not."""
     if forward_communicates(ddp.module):
         return 'its forward communicates (SyncBatchNorm or shadow_forward=True)'
-    if (
-        getattr(ddp, 'static_graph', False)
-        or getattr(ddp, '_use_python_reducer', False)
-        or getattr(ddp, '_delay_all_reduce_all_params', False)
-        or getattr(ddp, 'reducer', None) is None
-    ):
-        return 'DDP runs with static_graph, a compiled or python reducer, or delayed all-reduces'
-    if any(ddp._build_params_for_reducer()[1]):
+    if getattr(ddp, 'static_graph', False) or getattr(ddp, 'reducer', None) is None:
+        return 'DDP runs with static_graph, or without a reducer'
+    why = compat.stand_in_unsupported(ddp)
+    if why is not None:
+        return why
+    if compat.sparse_params(ddp):
         return 'a module produces sparse gradients'
     return None
 
@@ -236,7 +235,7 @@ class DDPShadow:
         self.model = model  # the ComposerModel whose loss() Composer calls
         self.device = device
         self.loss_shape = LossShape()
-        self._params = ddp._build_params_for_reducer()[0]  # the reducer's variable order (its used map)
+        self._params = compat.params_for_reducer(ddp)  # the reducer's variable order (its used map)
         self._sync = False
 
     def install(self, changes: Changes) -> None:
@@ -249,11 +248,8 @@ class DDPShadow:
         ddp = self.ddp
         grad = torch.is_grad_enabled()
         if grad:
-            ddp.reducer._rebuild_buckets()  # a broadcast, once per training, where DDP's _pre_forward does it
-        if ddp._check_sync_bufs_pre_fwd():
-            ddp._sync_buffers()
-        if ddp._check_sync_bufs_post_fwd():
-            ddp._sync_buffers()
+            compat.rebuild_buckets(ddp)  # a broadcast, once per training, where DDP's _pre_forward does it
+        compat.sync_buffers_around_forward(ddp)
         self._sync = grad and ddp.require_backward_grad_sync
         ddp.require_forward_param_sync = self._sync
         return None
@@ -267,16 +263,15 @@ class DDPShadow:
         if not self._sync:
             return
         self._sync = False
-        reducer = self.ddp.reducer
-        buckets = reducer._get_zeros_like_grad_buckets()
-        futures = [reducer._run_comm_hook(bucket) for bucket in buckets]  # in bucket order, as the reducer
+        buckets = compat.zero_grad_buckets(self.ddp)
+        futures = [compat.run_comm_hook(self.ddp, bucket) for bucket in buckets]  # in bucket order, as the reducer
         reduced = [f.wait() for f in futures]
         used: Optional[list[int]] = None
         if self.ddp.find_unused_parameters:
-            used_map = torch.zeros_like(reducer._get_local_used_map())
+            used_map = torch.zeros_like(compat.local_used_map(self.ddp))
             self.ddp.process_group.allreduce(used_map).wait()
             used = used_map.tolist()
-        reducer._push_all_rebuilt_params()
+        compat.push_rebuilt_params(self.ddp)
         index = {id(p): i for i, p in enumerate(self._params)}
         with torch.no_grad():
             for bucket, result in zip(buckets, reduced):

@@ -29,14 +29,13 @@ from typing import Any, Optional
 import torch
 from composer.core import State
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.parallel.distributed import _BufferCommHookLocation
 
+from composer_join.core import compat
 from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import StepPlan
 from composer_join.interop.oom import OOMChecks
 from composer_join.shadow.buffers import BufferGuard
-from composer_join.shadow.dataspec import train_data_spec
 from composer_join.shadow.gradients import share_grad_presence
 from composer_join.shadow.padding import MicrobatchPadding
 from composer_join.shadow.shadow import (
@@ -66,19 +65,19 @@ def broadcast_buffers_from(ddp: DistributedDataParallel, source_rank: Callable[[
     """Make ``ddp`` broadcast its buffers from ``source_rank()`` instead of rank 0, before each synced forward."""
 
     def hook(_state, named_buffers: dict[str, torch.Tensor]) -> None:
-        ddp._default_broadcast_coalesced(bufs=list(named_buffers.values()), authoritative_rank=source_rank())
+        compat.broadcast_ddp_buffers(ddp, source_rank(), list(named_buffers.values()))
 
-    ddp._register_buffer_comm_hook(None, hook, comm_hook_location=_BufferCommHookLocation.PRE_FORWARD)
+    compat.register_buffer_hook(ddp, hook)
 
 
 def sync_buffers(ddp: DistributedDataParallel, source: int) -> None:
     """Broadcast ``ddp``'s buffers from rank ``source`` (all ranks call it), if DDP broadcasts buffers at all."""
     if not ddp.broadcast_buffers:
         return
-    ddp._assign_modules_buffers()  # buffers the forward replaced (self.count = self.count + 1)
+    compat.assign_ddp_buffers(ddp)  # buffers the forward replaced (self.count = self.count + 1)
     if len(ddp.modules_buffers) > 0:
         with torch.no_grad():
-            ddp._default_broadcast_coalesced(authoritative_rank=source)
+            compat.broadcast_ddp_buffers(ddp, source)
 
 
 class BufferSource:
@@ -178,9 +177,7 @@ def disarm_after_retry(ddp: DistributedDataParallel) -> None:
     write them to the wrong parameters. After a reset, shadow microbatches therefore run on the template
     (the reducer's own backward, which needs no map): :meth:`DDPWrapper.before_forward`.
     """
-    reducer = getattr(ddp, 'reducer', None)
-    if reducer is not None and hasattr(reducer, '_reset_state'):
-        reducer._reset_state()
+    compat.reset_reducer(ddp)
 
 
 class ShadowWay:
@@ -322,7 +319,7 @@ class DDPWrapper(Wrapper):
         if self._probe is not None:
             self._probe.attach(changes)
         changes.call(self._microbatch.undo)  # a shadow microbatch the run left half-way
-        spec = train_data_spec(state)
+        spec = compat.train_data_spec(state)
         if spec is not None:
             # Forwards that communicate ('zero'): every rank runs the step's largest microbatch count (the
             # padding FSDP uses). Otherwise only count microbatches, for automatic microbatching's OOM checks.

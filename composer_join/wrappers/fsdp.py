@@ -35,13 +35,13 @@ from composer.core import DataSpec, State
 from composer.utils import dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
+from composer_join.core import compat
 from composer_join.core.batches import map_tensors
 from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import StepPlan
 from composer_join.interop.oom import OOMChecks
 from composer_join.shadow.buffers import BufferGuard
-from composer_join.shadow.dataspec import train_data_spec
 from composer_join.shadow.padding import MicrobatchPadding
 from composer_join.shadow.shadow import LossShape, connected_zero_loss
 from composer_join.wrappers.wrapper import Wrapper
@@ -63,15 +63,15 @@ class GradientUnits:
     def __init__(self, model: torch.nn.Module):
         names = {id(p): n for n, p in model.named_parameters()}
         self._fsdp1: list[tuple[str, Any]] = []  # (names, flat parameter)
-        self._fsdp2: list[tuple[str, Any]] = []  # (name, FSDPParam)
+        self._fsdp2: list[tuple[str, Callable[[], Any]]] = []  # (name, () -> its unsharded parameter)
         for module in model.modules():
-            if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
-                flat = module._handle.flat_param
-                self._fsdp1.append((', '.join(flat._fqns), flat))
+            if isinstance(module, FullyShardedDataParallel):
+                flat = compat.fsdp1_flat_param(module)
+                if flat is not None:
+                    self._fsdp1.append(flat)
             elif isinstance(module, FSDPModule):
-                group = module._get_fsdp_state()._fsdp_param_group
-                for fsdp_param in group.fsdp_params if group is not None else []:
-                    self._fsdp2.append((names.get(id(fsdp_param.sharded_param), fsdp_param._param_fqn), fsdp_param))
+                for sharded, fqn, unsharded in compat.fsdp2_params(module):
+                    self._fsdp2.append((names.get(id(sharded), fqn), unsharded))
 
     def __len__(self) -> int:
         return len(self._fsdp1) + len(self._fsdp2)
@@ -79,7 +79,7 @@ class GradientUnits:
     def _leaves(self) -> list[Any]:
         """The tensors autograd accumulates gradients into for each unit, right now (after a forward)."""
         leaves = [flat for _, flat in self._fsdp1]
-        leaves += [getattr(p, '_unsharded_param', None) for _, p in self._fsdp2]
+        leaves += [unsharded() for _, unsharded in self._fsdp2]
         return leaves
 
     def check(
@@ -177,7 +177,7 @@ class FSDPWrapper(Wrapper):
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
-        if train_data_spec(state) is None:
+        if compat.train_data_spec(state) is None:
             raise UnevenInputsError(
                 "UnevenJoin under FSDP could not find the Trainer's train DataSpec to pad microbatches; it must run "
                 'inside composer.Trainer.fit()',
@@ -186,7 +186,7 @@ class FSDPWrapper(Wrapper):
     def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         """Pad the train ``DataSpec``'s microbatches (with its own sample count; errors raised on every rank at the
         first loss), guard the buffers, until ``changes`` is undone."""
-        spec = train_data_spec(state)
+        spec = compat.train_data_spec(state)
         failures = self._failures if len(self._units) else None
         count = spec.get_num_samples_in_batch
         MicrobatchPadding.install(

@@ -26,7 +26,7 @@ from composer.utils import dist
 
 from composer_join.core.batches import map_tensors
 
-__all__ = ['scale_grad', 'share_grad_presence']
+__all__ = ['UnusedParameters', 'reached_leaves', 'scale_grad', 'share_grad_presence']
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -68,3 +68,59 @@ def share_grad_presence(
     for p, anywhere in zip(params, present.tolist()):
         if anywhere and p.grad is None:
             p.grad = torch.zeros_like(p)
+
+
+def reached_leaves(loss: Any) -> set[int]:
+    """``id`` of every tensor an ``AccumulateGrad`` node of ``loss``'s graph accumulates into (its parameters).
+
+    Cost: a walk over the graph, about 1 us per node in Python (0.4 ms for a 12-layer transformer encoder).
+    """
+    roots: list[Any] = []
+    map_tensors(lambda t: roots.append(t.grad_fn) if t.grad_fn is not None else None, loss)
+    seen, found = set(), set()
+    while roots:
+        node = roots.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, 'variable', None)
+        if variable is not None:
+            found.add(id(variable))
+        roots.extend(next_fn for next_fn, _ in node.next_functions)
+    return found
+
+
+class UnusedParameters:
+    """On a step where some rank shadows, a parameter that no real sample used on any rank gets no gradient.
+
+    As in one process: an optimizer then leaves it and its momentum alone. A shadow microbatch that runs the
+    model (on the template, or on zero samples where the forward communicates) reaches parameters with a
+    zero-weighted loss, and DDP then gives them a zero gradient (so does torch's own join, and DDP under
+    ``static_graph``); this takes it back. Call :meth:`start_step` at every step, :meth:`after_loss` after each
+    microbatch's loss, and :meth:`finish` on every rank after its last microbatch's backward, on the steps where
+    :meth:`needed` (the same on every rank). Cost on those steps: a walk over each real microbatch's graph, and
+    one all-reduce of one byte per parameter tensor.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]):
+        self.params = [p for p in params if p.requires_grad]
+        self._used: set[int] = set()
+
+    @staticmethod
+    def needed(plan: Any) -> bool:
+        """Some rank shadows, and every rank can tell its last microbatch (every rank's samples are counted)."""
+        return bool(plan.joined_ranks) and all(s.samples >= 0 for s in plan.statuses)
+
+    def start_step(self) -> None:
+        self._used = set()
+
+    def after_loss(self, loss: Any, shadow: bool) -> None:
+        if not shadow:
+            self._used |= reached_leaves(loss)
+
+    def finish(self, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+        used = to_device(torch.tensor([id(p) in self._used for p in self.params], dtype=torch.uint8))
+        dist.all_reduce(used, reduce_operation='MAX')
+        for p, anywhere in zip(self.params, used.tolist()):
+            if not anywhere:
+                p.grad = None

@@ -36,7 +36,7 @@ from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import StepPlan
 from composer_join.interop.oom import OOMChecks
 from composer_join.shadow.buffers import BufferGuard
-from composer_join.shadow.gradients import share_grad_presence
+from composer_join.shadow.gradients import UnusedParameters, share_grad_presence
 from composer_join.shadow.padding import MicrobatchPadding
 from composer_join.shadow.shadow import (
     DDPShadow,
@@ -120,6 +120,7 @@ class MicrobatchSync:
         self.index = 0  # microbatches of this step so far
         self.suppressed = False  # this microbatch's sync was turned off here
         self.manual = False  # this is the last microbatch and Composer syncs by hand after it
+        self.last = False  # this is this rank's last microbatch of the step (its samples counted)
         self.padded = padded  # every rank runs this many microbatches (padding): Composer's own syncs match
 
     def start_step(self, ddp: Optional[DistributedDataParallel] = None) -> None:
@@ -127,7 +128,7 @@ class MicrobatchSync:
         self.index = 0
         if self.suppressed and ddp is not None:  # a retry after an OOM (automatic microbatching) left it off
             ddp.require_backward_grad_sync = True
-        self.suppressed = self.manual = False
+        self.suppressed = self.manual = self.last = False
 
     def before_forward(self, ddp: DistributedDataParallel, plan: StepPlan, rank: int, samples: int) -> None:
         """Before the forward of a microbatch of ``samples`` samples (inside Composer's sync context)."""
@@ -135,9 +136,10 @@ class MicrobatchSync:
         self.seen += samples
         self.index += 1
         if self.padded is not None:
-            self.manual = self.index == self.padded() and not ddp.require_backward_grad_sync
+            self.last = self.index == self.padded()
+            self.manual = self.last and not ddp.require_backward_grad_sync
             return
-        final = 0 <= mine <= self.seen
+        final = self.last = 0 <= mine <= self.seen
         if ddp.require_backward_grad_sync and not final and not plan.even_microbatches:
             ddp.require_backward_grad_sync = False
             self.suppressed = True
@@ -290,6 +292,7 @@ class DDPWrapper(Wrapper):
         self._padding: Optional[MicrobatchPadding] = None
         self._probe: Optional[ForwardProbe] = None
         self._microbatch = Changes()  # the current shadow microbatch's stand-ins (forward, loss)
+        self._unused = UnusedParameters([])  # on steps with a shadowing rank: no gradient where no real sample was
 
     @property
     def mode(self) -> str:
@@ -309,6 +312,7 @@ class DDPWrapper(Wrapper):
             self._hooked = ddp
             self.way = shadow_way(ddp)
             self._probe = ForwardProbe(ddp.module) if self.way.probes else None
+            self._unused = UnusedParameters(list(ddp.module.parameters()))
             keep = self.way.pads  # SyncBatchNorm's statistics are global: a shadow forward on zero samples keeps them
             self._guard = BufferGuard(ddp.module, keep=lambda m: keep and isinstance(m, torch.nn.SyncBatchNorm))
         if self._probe is not None:
@@ -347,6 +351,7 @@ class DDPWrapper(Wrapper):
 
     def start_step(self, plan: StepPlan) -> None:
         self._sync.start_step(self._hooked)
+        self._unused.start_step()
         self._first_microbatch = True
         self._oom.start_step()
         if self._guard is not None and self._guard.armed:  # a retry after an OOM in a shadow microbatch
@@ -388,11 +393,15 @@ class DDPWrapper(Wrapper):
     def after_loss(self, state: State, plan: StepPlan) -> None:
         if self._shadowing is None or self._shadowing.model_loss:  # the model's own (on the template: no data yet)
             self.way.loss_shape.record(state.loss)
+        if UnusedParameters.needed(plan):
+            self._unused.after_loss(state.loss, shadow=self._shadowing is not None)
         self._oom.after_loss(state)
 
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
         self._oom.after_backward(state)  # automatic microbatching: before forced_sync's all-reduces
         self._sync.after_backward(state.model, plan, state.optimizers, state.device.tensor_to_device)
+        if self._sync.last and UnusedParameters.needed(plan):  # every rank, once per step, after its last backward
+            self._unused.finish(state.device.tensor_to_device)
         self._end_shadow(state)
 
     def _end_shadow(self, state: State) -> None:

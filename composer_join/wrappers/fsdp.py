@@ -36,12 +36,12 @@ from composer.utils import dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from composer_join.core import compat
-from composer_join.core.batches import map_tensors
 from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import StepPlan
 from composer_join.interop.oom import OOMChecks
 from composer_join.shadow.buffers import BufferGuard
+from composer_join.shadow.gradients import reached_leaves
 from composer_join.shadow.padding import MicrobatchPadding
 from composer_join.shadow.shadow import LossShape, connected_zero_loss
 from composer_join.wrappers.wrapper import Wrapper
@@ -97,7 +97,7 @@ class GradientUnits:
         ``failure``: an error this rank found in this step (its microbatches cannot be padded): it
         travels in the same all-reduce (one more integer per rank), and every rank raises.
         """
-        reached = _autograd_leaves(loss)
+        reached = reached_leaves(loss)
         world, rank = dist.get_world_size(), dist.get_global_rank()
         flags = [int(failure is not None and r == rank) for r in range(world)]
         used = torch.tensor(
@@ -141,23 +141,6 @@ def host_group():
         default = torch.distributed.get_backend()
         _HOST_GROUP.append(None if default == 'gloo' else torch.distributed.new_group(backend='gloo'))
     return _HOST_GROUP[0]
-
-
-def _autograd_leaves(loss: Any) -> set[int]:
-    """``id`` of every tensor an ``AccumulateGrad`` node of ``loss``'s graph accumulates into."""
-    roots: list[Any] = []
-    map_tensors(lambda t: roots.append(t.grad_fn) if t.grad_fn is not None else None, loss)
-    seen, found = set(), set()
-    while roots:
-        node = roots.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, 'variable', None)
-        if variable is not None:
-            found.add(id(variable))
-        roots.extend(next_fn for next_fn, _ in node.next_functions)
-    return found
 
 
 class FSDPWrapper(Wrapper):

@@ -10,13 +10,19 @@ PYTHON ?= python3
 PIP := $(VENV)/bin/pip --disable-pip-version-check
 ALL_EXTRAS := test,composer-tests,examples,bench,llmfoundry,docs,lint,package
 
-.PHONY: demo test test-composer test-torch26 lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
+.PHONY: demo test test-detail test-composer test-torch26 lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
 
 demo: $(VENV)/.installed-core
 	$(VENV)/bin/composer -n 2 examples/demo.py
 
 test: $(VENV)/.installed-all
 	$(VENV)/bin/pytest
+
+# A subset of the suite with TORCH_DISTRIBUTED_DEBUG=DETAIL in the ranks (torch compares every collective's
+# operation, shapes and dtypes on every rank first): tests/test_detail.py alone, ~1 min; make test runs it too.
+# FSDP2 is left out (gloo's checking wrapper lacks allgather_into_tensor_coalesced); docs/reliability.md.
+test-detail: $(VENV)/.installed-test
+	$(VENV)/bin/pytest tests/test_detail.py
 
 # The lowest torch Composer 0.32.1 accepts (2.6.0), in a second environment of its own: a smoke subset of the
 # suite (DDP and its reducer hooks, every sync strategy, FSDP1, rebalancing, resumption); docs/compatibility.md.

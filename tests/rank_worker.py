@@ -32,6 +32,9 @@ def main(spec_path: str, out_prefix: str) -> None:
     warnings.filterwarnings('ignore')
     logging.basicConfig(level=logging.WARNING)
     spec = pickle.loads(Path(spec_path).read_bytes())
+    # torch reads TORCH_DISTRIBUTED_DEBUG once, at import: in the harness's server, before this launch's environment
+    # was set. Read it again, so that this launch's value (e.g. DETAIL, tests/test_detail.py) is the one in force.
+    torch.distributed.set_debug_level_from_env()
     devices.init_rank(spec['collective_timeout'])
     torch.set_num_threads(1)
     results = {}

@@ -93,3 +93,45 @@ def transfer(unsendable: bool = False) -> dict[str, Any]:
         'bytes_received': loader.bytes_received,
         'bytes_sent': loader.bytes_sent,
     }
+
+
+def group() -> dict[str, Any]:
+    """The process group transfers travel on: its own, made once per process, and off the default group's count.
+
+    Must be this launch's first call (the first channel of the process makes the group). Two loaders,
+    one after the other, each moving rank 0's second batch to rank 1; the default group's sequence
+    number (what ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` compares across ranks at every collective) is read
+    around the transfers.
+    """
+    from composer_join.rebalance.transfer import transfer_group
+
+    rank = dist.get_global_rank()
+    default = torch.distributed.group.WORLD
+    groups_before = torch.distributed.get_pg_count()
+
+    def loader() -> RebalancingLoader:
+        own = [batch_of_every_dtype(1), batch_of_every_dtype(2)] if rank == 0 else []
+        on = devices.torch_device()
+        return RebalancingLoader(own, counts=[2, 0], own_len=len(own), to_device=lambda t: t.to(on))
+
+    def sequence_number() -> int:
+        return default._get_backend(default._device_types[0])._get_sequence_number_for_group()
+
+    first = loader()
+    before = sequence_number()
+    moved = len(list(first))
+    second = loader()
+    moved += len(list(second))
+    after = sequence_number()
+    own = first.channel.group
+    backend = own._get_backend(own._device_types[0])
+    return {
+        'moved': moved,
+        'groups_made': torch.distributed.get_pg_count() - groups_before,
+        'same_group': own is second.channel.group is transfer_group(),
+        'is_default': own is default,
+        'ranks': torch.distributed.get_process_group_ranks(own),
+        'backend': (torch.distributed.get_backend(own), torch.distributed.get_backend()),
+        'timeout_s': getattr(backend, 'wrapped_pg', backend).options._timeout.total_seconds(),
+        'default_sequence_advanced': after - before,
+    }

@@ -1,4 +1,4 @@
-"""Rebalancing moves batches of every torch dtype between ranks, bit for bit, as raw bytes.
+"""Rebalancing moves batches of every torch dtype between ranks, bit for bit, as raw bytes, on a group of their own.
 
 NCCL has no int16, uint16, uint32 or uint64: the transfer sends every tensor's bytes (``uint8``) and
 the receiver views them as the original dtype and shape, allocated on the trainer's device. A batch
@@ -21,6 +21,7 @@ def runs() -> dict:
     return launch(
         2,
         [
+            ('group', 'scenarios_transfer:group', {}),  # first: the process's first channel makes the group
             ('every_dtype', 'scenarios_transfer:transfer', {}),
             ('unsendable', 'scenarios_transfer:transfer', {'unsendable': True}),
         ],
@@ -57,3 +58,15 @@ def test_a_batch_that_cannot_be_sent_stops_both_ranks_before_any_byte(runs):
     donor, receiver = (r['error'] for r in ok(runs, 'unsendable'))
     assert 'rank 0 cannot send the batch rank 1 is to train at step 0: TypeError: a quantized tensor' in donor
     assert 'rank 0 could not read or send the batch that rank 1 was to train at step 0' in receiver
+
+
+def test_transfers_travel_on_a_process_group_of_their_own_made_once(runs):
+    """Off the default group: a transfer between some ranks must not advance its sequence number on them alone."""
+    for rank, res in enumerate(ok(runs, 'group')):
+        assert res['moved'] == 2, rank  # per loader, rank 0 trains one of its two batches and gives rank 1 the other
+        assert res['groups_made'] == 1 and res['same_group'] and not res['is_default'], rank
+        assert res['ranks'] == [0, 1], rank
+        nccl = scenarios_transfer.devices.device() == 'gpu' and not scenarios_transfer.devices.shared_gpu()
+        assert res['backend'] == (('nccl', 'nccl') if nccl else ('gloo', 'gloo')), rank  # the default group's backend
+        assert res['timeout_s'] == 30  # the default group's (harness.launch's collective_timeout), not torch's 30 min
+        assert res['default_sequence_advanced'] == 0, rank  # on the default group: 3 on each rank per transfer

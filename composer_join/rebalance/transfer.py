@@ -20,6 +20,15 @@ NCCL and gloo point to point hang):
    bytes in order, each starting at a multiple of 16 bytes (:data:`_ALIGN`, the largest element
    size, complex128's), so the receiver views each tensor in place, with no copy.
 
+Every message travels on a process group of its own (:func:`transfer_group`): over every rank, with the
+default group's backend and timeout, made once per process. A point-to-point message advances the
+sequence number of its group on the two ranks it joins only, so on the default group the ranks not
+in a transfer would fall behind, and ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (which compares every
+collective's sequence number, operation, shapes and dtypes on every rank first) would stop the next
+collective (``Sequence number: 10 vs 7``). No collective ever runs on the transfer group, so its
+sequence numbers may differ freely; under NCCL it also keeps the transfers off the communicator of the
+gradient all-reduce.
+
 Tensors travel as raw bytes because NCCL has no int16, uint16, uint32 or uint64, and bytes carry
 every dtype alike. Every message is on the trainer's device (``state.device.tensor_to_device``:
 the CPU for gloo, the GPU for NCCL), and the receiver allocates straight on it, so a received
@@ -34,7 +43,7 @@ batch" or a failure).
 
 Example (two ranks; rank 1 trains a batch of rank 0)::
 
-    channel = BatchChannel(state.device.tensor_to_device)
+    channel = BatchChannel(state.device.tensor_to_device)  # on every rank: the first one makes the transfer group
     if rank == 0:
         error = channel.send(batch, dst=1, step=7)  # an UnevenInputsError if it cannot be sent
     else:
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -53,7 +63,7 @@ from composer.utils import dist
 from composer_join.core.batches import map_tensors
 from composer_join.core.errors import UnevenInputsError
 
-__all__ = ['BatchChannel', 'Packed']
+__all__ = ['BatchChannel', 'Packed', 'transfer_group']
 
 _OK, _FAILED, _NONE = 0, 1, 2  # a transfer's status: a batch follows; the sender failed; no batch (receiver idles)
 _ALIGN = 16  # bytes: every tensor's place in a transfer's payload is a multiple of this (complex128's size)
@@ -66,13 +76,54 @@ class Packed(NamedTuple):
     payload: Optional[torch.Tensor]  # uint8 on the trainer's device; None if the batch has no non-empty tensor
 
 
+_GROUP: list = []  # [(the default group, the transfer group made beside it)], once made in this process
+
+
+def transfer_group() -> Optional[torch.distributed.ProcessGroup]:
+    """The process group rebalancing's transfers travel on: every rank, the default group's backend and timeout.
+
+    Made once per process (again only if the default group was replaced), on the first call, which
+    must come on every rank at the same point: ``torch.distributed.new_group`` is collective.
+    :class:`BatchChannel` calls it when it is built, in the rebalancer that ``join_dataloader`` makes
+    on every rank at ``FIT_START``, after the length agreement. Its ranks are the global ranks, in
+    order, so a global rank is also the peer's rank in it. ``None`` without an initialised default
+    group (one process: nothing to transfer).
+
+    Cost: once per process, what ``new_group`` costs (gloo: a connection between every pair of ranks;
+    NCCL: the communicators of the pairs that exchange batches, made at their first transfer).
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    default = torch.distributed.group.WORLD
+    if not _GROUP or _GROUP[0][0] is not default:
+        # backend=None: the default group's, so NCCL transfers stay on the GPU. The timeout must be given: new_group
+        # would take torch's default (30 min on gloo) rather than the one the trainer's group was made with.
+        group = torch.distributed.new_group(backend=None, timeout=_timeout_of(default))
+        _GROUP[:] = [(default, group)]
+    return _GROUP[0][1]
+
+
+def _timeout_of(group: Any) -> Optional[timedelta]:
+    """``group``'s collective timeout (``None``, torch's default for a new group, where torch does not show it)."""
+    try:
+        backend = group._get_backend(group._device_types[0])
+        backend = getattr(backend, 'wrapped_pg', backend)  # under TORCH_DISTRIBUTED_DEBUG=DETAIL, a checking wrapper
+        return backend.options._timeout
+    except (AttributeError, IndexError, RuntimeError):  # private in torch 2.7: absent in another version
+        return None
+
+
 class BatchChannel:
     """This rank's end of the point-to-point batch transfers (the wire format is in the module docstring).
+
+    Building one is collective the first time in a process (it makes :func:`transfer_group`): every rank
+    builds its own at the same point.
 
     Args:
         to_device: the trainer's device, where every message goes and received batches are allocated.
 
     Attributes:
+        group: the process group every message travels on (:func:`transfer_group`).
         bytes_sent, bytes_received: bytes this rank moved through it (prefixes and headers
             included); its owner resets them at every epoch's start.
     """
@@ -80,6 +131,7 @@ class BatchChannel:
     def __init__(self, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
         self.to_device = to_device
         self.rank = dist.get_global_rank()
+        self.group = transfer_group()
         self.bytes_sent = 0
         self.bytes_received = 0
         self._on: Optional[torch.device] = None
@@ -148,7 +200,7 @@ class BatchChannel:
         """
         device = self._device()
         prefix = torch.zeros(2, dtype=torch.int64, device=device)
-        torch.distributed.recv(prefix, src)
+        torch.distributed.recv(prefix, src, group=self.group)
         status, size = (int(v) for v in prefix.cpu().tolist())
         self.bytes_received += prefix.numel() * prefix.element_size()
         if status == _NONE:
@@ -159,13 +211,13 @@ class BatchChannel:
                 f'(rank {src} raises the cause)',
             )
         header = torch.empty(size, dtype=torch.uint8, device=device)
-        torch.distributed.recv(header, src)
+        torch.distributed.recv(header, src, group=self.group)
         self.bytes_received += size
         skeleton, specs = pickle.loads(header.cpu().numpy().tobytes())
         sizes = [_nbytes(shape, dtype) for shape, dtype in specs]
         data = torch.empty(sum(n + (-n) % _ALIGN for n in sizes), dtype=torch.uint8, device=device)
         if data.numel():
-            torch.distributed.recv(data, src)
+            torch.distributed.recv(data, src, group=self.group)
             self.bytes_received += data.numel()
         received, offset = [], 0
         for (shape, dtype), n in zip(specs, sizes):
@@ -180,14 +232,15 @@ class BatchChannel:
     def _transmit(self, status: int, dst: int, header: bytes = b'', data: Optional[torch.Tensor] = None) -> None:
         """The messages of one transfer: ``[status, header length]``, then (``_OK``) the header and the payload."""
         prefix = torch.tensor([status, len(header)], dtype=torch.int64)
-        torch.distributed.send(self.to_device(prefix), dst)
+        torch.distributed.send(self.to_device(prefix), dst, group=self.group)
         self.bytes_sent += prefix.numel() * prefix.element_size()
         if status != _OK:
             return
-        torch.distributed.send(self.to_device(torch.frombuffer(bytearray(header), dtype=torch.uint8)), dst)
+        header_bytes = self.to_device(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        torch.distributed.send(header_bytes, dst, group=self.group)
         self.bytes_sent += len(header)
         if data is not None:
-            torch.distributed.send(data, dst)
+            torch.distributed.send(data, dst, group=self.group)
             self.bytes_sent += data.numel()
 
     def _device(self) -> torch.device:

@@ -37,10 +37,11 @@ test-torch26: $(VENV_TORCH26)/.installed-test
 test-composer: $(VENV)/.installed-test $(VENV)/.installed-composer-tests
 	$(VENV)/bin/python tests/composer_suite/run_composer_suite.py
 
-lint: $(VENV)/.installed-lint   # what CI runs: ruff (lint and format check) and mypy
+lint: $(VENV)/.installed-lint   # what CI runs: ruff (lint and format check), mypy, the import contracts
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 format: $(VENV)/.installed-lint   # fixes first: they can change what the formatter sees
 	$(VENV)/bin/ruff check --fix .

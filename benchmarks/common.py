@@ -2,18 +2,16 @@
 
 Light: importing this module imports no torch, so that the driver process stays out of the ranks' way.
 
-* **Launch.** ``launch(world_size, calls, timeout)`` starts one Python process per rank with the
-  environment Composer's launcher would give it (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-  ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` = a fresh free port),
-  one intra-op thread (``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``), and a hard timeout
-  after which every rank is killed. Each rank runs this file as a script (:func:`_rank_main`):
-  it initialises one process group and runs every call of ``calls`` in order, so that all runs of a
-  launch share the process group. A call is ``(name, function, kwargs)`` with ``function`` in
-  ``workloads.py`` (or ``'module:function'`` for another module of benchmarks/); ``launch``
-  returns ``{name: [result of rank 0, rank 1, ...]}``.
+* **Launch.** ``launch(world_size, calls, timeout)`` runs the calls on ``world_size`` ranks through the
+  tests' launcher (``tests/harness.py``: the environment Composer's launcher would give each rank, one
+  process group, one intra-op thread, a hard timeout after which every rank is killed; the ranks forked
+  from one server that imported torch, Composer and ``composer_join`` once). A call is ``(name,
+  function, kwargs)`` with ``function`` in ``workloads.py`` (or ``'module:function'`` for another module
+  of benchmarks/); ``launch`` returns ``{name: [result of rank 0, rank 1, ...]}``, and raises if a call
+  raised on any rank.
 * **Timing.** The shape of a fit's per-step series (:data:`WARMUP_STEPS` untimed, :func:`timed`), medians.
 * **Machine state.** Load average, waiting for a quiet machine, CPU taken by other processes
-  during a launch (from /proc), a process's resident set, the machine and code measured.
+  during a launch (from the launch's accounting), a process's resident set, the machine and code measured.
 * **Output.** Number formats of the tables, the date, the output directory, a chart's figure.
 """
 
@@ -22,10 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import pickle
 import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent / 'tests'  # the launcher, tests/harness.py
 BATCH = 32  # samples per rank per step (= workloads.BATCH; not imported, to keep torch out of the driver)
 WARMUP_STEPS = 3  # per fit, not timed (= workloads.WARMUP_STEPS)
 DISTURBED = 0.15  # cores taken by other processes during a launch above which results.md warns
@@ -69,12 +65,6 @@ def case_sizes(case: str, world: int, longest: int) -> list[int]:
 # -- launch ---------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
 def launch(
     world_size: int,
     calls: list[tuple[str, str, dict]],
@@ -82,119 +72,35 @@ def launch(
     usage: dict | None = None,
     progress: bool = True,
 ) -> dict[str, list[Any]]:
-    """Run ``calls`` on ``world_size`` fresh ranks; raise with the ranks' output if one fails or time runs out.
+    """Run ``calls`` on ``world_size`` fresh ranks (``tests/harness.py``); raise if a call raised on a rank.
 
     ``progress``: print each call's name, and the seconds since the launch, as rank 0 starts it.
     ``usage``, if given, is filled with ``elapsed`` (s), ``machine_busy`` (CPU s of the whole machine,
     from /proc/stat) and ``ranks_cpu`` (CPU s of the rank processes) over the launch, so that the
     caller can tell how much CPU other processes took meanwhile (:func:`others_cpu`).
     """
+    if str(TESTS) not in sys.path:
+        sys.path.append(str(TESTS))
+    import harness  # (imports no torch; its ranks' server does)
+
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix='composer-join-bench-') as tmp:
-        spec = Path(tmp, 'spec.pkl')
-        spec.write_bytes(pickle.dumps(calls))
-        port = free_port()
-        procs, logs = [], []
-        for rank in range(world_size):
-            env = dict(os.environ)
-            env.update(
-                RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world_size),
-                NODE_RANK='0',
-                MASTER_ADDR='127.0.0.1',
-                MASTER_PORT=str(port),
-                PYTHONUNBUFFERED='1',
-                OMP_NUM_THREADS='1',
-                MKL_NUM_THREADS='1',
-                PYTHONWARNINGS='ignore',
-            )
-            log = open(Path(tmp, f'rank{rank}.log'), 'w+')
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve()), str(spec), str(Path(tmp, f'rank{rank}'))],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        deadline = time.monotonic() + timeout
-        running = Path(tmp, 'rank0.running')
-        seen = None
-        started, busy = time.monotonic(), machine_busy_seconds()
-        ranks_cpu = [0.0] * world_size
-        try:
-            while any(p.poll() is None for p in procs):
-                ranks_cpu = [max(c, process_cpu_seconds(p.pid)) for c, p in zip(ranks_cpu, procs)]
-                if time.monotonic() > deadline:
-                    current = running.read_text() if running.exists() else '?'
-                    raise RuntimeError(
-                        f'{world_size}-rank launch did not finish within {timeout:.0f} s '
-                        f'(running: {current}); output:\n{_tails(logs)}'
-                    )
-                if progress and running.exists():
-                    current = running.read_text()
-                    if current != seen:
-                        seen = current
-                        print(f'  {time.perf_counter() - t0:6.1f}s  {current}', flush=True)
-                time.sleep(0.2)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-        if usage is not None:
-            usage.update(
-                elapsed=time.monotonic() - started, machine_busy=machine_busy_seconds() - busy, ranks_cpu=sum(ranks_cpu)
-            )
-        results: dict[str, list[Any]] = {name: [None] * world_size for name, _, _ in calls}
-        for rank, proc in enumerate(procs):
-            out = Path(tmp, f'rank{rank}.pkl')
-            if not out.exists():
-                raise RuntimeError(f'rank {rank} exited with {proc.returncode}; output:\n{_tails(logs)}')
-            if proc.returncode != 0:  # results complete, the exit itself failed
-                print(f'note: rank {rank} exited with {proc.returncode} after saving its results', file=sys.stderr)
-            for name, value in pickle.loads(out.read_bytes()).items():
-                results[name][rank] = value
-        return results
-
-
-def _tails(logs, lines: int = 30) -> str:
-    out = []
-    for rank, log in enumerate(logs):
-        log.flush()
-        log.seek(0)
-        out.append(f'--- rank {rank} ---\n' + '\n'.join(log.read().splitlines()[-lines:]))
-    return '\n'.join(out)
-
-
-def _rank_main(spec_path: str, out_prefix: str) -> None:
-    """One rank: join the process group, run the calls in order, pickle the results."""
-    import importlib
-    import logging
-    import warnings
-
-    warnings.filterwarnings('ignore')
-    logging.basicConfig(level=logging.WARNING)
-    sys.path.insert(0, str(HERE))
-    import torch
-    from composer.utils import dist
-
-    import workloads
-
-    torch.set_num_threads(1)
-    dist.initialize_dist(workloads.DEVICE, timeout=120)  # 'gpu' (NCCL) under make bench-gpu
-    results = {}
-    for name, function, kwargs in pickle.loads(Path(spec_path).read_bytes()):
-        Path(out_prefix + '.running').write_text(name)
-        module, _, function = function.rpartition(':')  # 'function' in workloads.py, or 'module:function'
-        results[name] = getattr(importlib.import_module(module) if module else workloads, function)(**kwargs)
-    Path(out_prefix + '.pkl').write_bytes(pickle.dumps(results))
-    dist.barrier()  # leave together: a rank exiting while gloo still talks to it can abort the others
-    torch.distributed.destroy_process_group()
+    results = harness.launch(
+        world_size,
+        [(name, function if ':' in function else f'workloads:{function}', kwargs) for name, function, kwargs in calls],
+        timeout=timeout,
+        collective_timeout=120,
+        usage=usage,
+        progress=(lambda name: print(f'  {time.perf_counter() - t0:6.1f}s  {name}', flush=True)) if progress else None,
+    )
+    failed = [
+        f'{name} on rank {rank}: {value}'
+        for name, per_rank in results.items()
+        for rank, value in enumerate(per_rank)
+        if isinstance(value, harness.RankError)
+    ]
+    if failed:
+        raise RuntimeError(f'{world_size}-rank launch: ' + '; '.join(failed))
+    return results
 
 
 # -- timing ---------------------------------------------------------------------------------------
@@ -224,22 +130,6 @@ def wait_for_quiet(max_seconds: float, threshold: float = 0.7) -> None:
     while os.getloadavg()[0] >= threshold and time.monotonic() < deadline:
         print(f'waiting for a quiet machine: load average {os.getloadavg()[0]:.2f}', flush=True)
         time.sleep(15)
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine has spent busy since boot (all cores), from /proc/stat."""
-    fields = Path('/proc/stat').read_text().split('\n', 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf('SC_CLK_TCK')
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """CPU seconds used so far by process ``pid`` (all its threads); 0 once it is gone."""
-    try:
-        fields = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
 
 
 def others_cpu(usage: dict, world: int) -> tuple[float, str]:
@@ -325,7 +215,3 @@ def figure(path: Path, rows: int, columns: int, size: tuple[float, float]) -> It
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-if __name__ == '__main__':
-    _rank_main(sys.argv[1], sys.argv[2])

@@ -26,8 +26,8 @@ Where the time goes (``breakdown.py``): at every world size, one UnevenJoin fit 
 agreement timed and the bare cost of one agreement all-reduce. ``--profile``: ``profiling.py``.
 
 How: ranks are real processes (one per rank, gloo on CPU, one thread each, launched by
-``common.py``, which also holds the timing, machine-state and output helpers every benchmark
-shares); the benchmarks of sections 1, 2 and the breakdown run in one launch per world size, so
+``common.py`` through the tests' launcher ``tests/harness.py``; ``common.py`` also holds the timing,
+machine-state and output helpers every benchmark shares); the benchmarks of sections 1, 2 and the breakdown run in one launch per world size, so
 that they share one process group, after a throw-away warm-up fit of each kind. The workload
 (``workloads.py``, the code the ranks run): a small conv net, 32 samples per rank per step, one
 epoch, SGD with momentum. Step time = ``time.perf_counter`` delta between consecutive ``BATCH_END``

@@ -1,7 +1,7 @@
 """What each rank runs in the benchmarks: the model, the data, and one function per kind of run.
 
-Every function here runs on *every* rank of a launch (see ``common.launch``), inside one gloo process
-group that many runs share, and returns plain data (floats, lists, dicts) for the benchmark modules
+Every function here runs on *every* rank of a launch (``common.launch``, through ``tests/harness.py``),
+inside one gloo process group that many runs share, and returns plain data (floats, lists, dicts) for the benchmark modules
 (``overhead.py``, ``uneven.py``, ``counts.py``, ``breakdown.py``, ``profiling.py``, ``rebalance.py``).
 
 The workload

@@ -16,6 +16,10 @@ costs ~8 s of CPU, which every launch of every rank would otherwise pay again. E
 fork of that server, with nothing of an earlier launch in it, its own session (killed as a group
 with its DataLoader workers) and the environment of the test process at the time of the launch.
 
+The benchmarks launch their ranks here too (``benchmarks/common.py``), with two more things a launch
+can do: report each call's name as rank 0 starts it (``progress``), and account for the CPU time the
+ranks and the machine spent (``usage``), from which they tell how much other processes took meanwhile.
+
 With ``COMPOSER_JOIN_DEVICE=gpu`` (``make test-gpu``, see ``devices.py``) each rank uses its own GPU
 with NCCL; a launch with more ranks than GPUs runs nothing and returns ``NotEnoughGPUs`` for every
 call, which the tests report as skipped (NCCL cannot put two ranks on one GPU). With
@@ -27,19 +31,19 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-import torch
-
-import devices
+import devices  # (no torch: the benchmarks' driver imports this module and stays light until results come back)
 
 # What the server imports before it forks any rank; set before it starts: read at interpreter start-up or import.
 PRELOAD = ['torch', 'composer', 'composer_join', 'rank_worker']
@@ -85,10 +89,18 @@ def launch(
     calls: list[tuple[str, str, dict]],
     timeout: float = 600,
     collective_timeout: float = 30,
+    usage: Optional[dict] = None,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> dict[str, list[Any]]:
     """Run ``calls`` on ``world_size`` ranks; return ``{name: [result of rank 0, rank 1, ...]}``.
 
     A result is whatever the function returned, or a :class:`RankError`.
+
+    ``progress``, if given, is called with each call's name as rank 0 starts it (looked at every 0.2 s, so
+    a call shorter than that may go unreported). ``usage``, if given, is filled with ``elapsed`` (s, from
+    the first rank's start to the last one's end), ``machine_busy`` (CPU s of the whole machine meanwhile,
+    from /proc/stat) and ``ranks_cpu`` (CPU s of the rank processes meanwhile, and of the server they are
+    forked from, which imports torch, Composer and ``composer_join`` for them at its start).
     """
     if devices.device() == 'gpu' and not devices.shared_gpu():  # a shared GPU takes any number of ranks
         missing = devices.too_few_gpus(world_size, f'a {world_size}-rank launch')
@@ -99,6 +111,8 @@ def launch(
         spec.write_bytes(pickle.dumps({'calls': calls, 'collective_timeout': collective_timeout}))
         port = free_port()
         ctx = _server()
+        server = _server_pid()
+        started, busy, server_cpu = time.monotonic(), machine_busy_seconds(), process_cpu_seconds(server)
         procs = []
         for rank in range(world_size):
             procs.append(
@@ -110,23 +124,39 @@ def launch(
             )
             procs[-1].start()
         logs = [Path(tmp, f'rank{rank}.log') for rank in range(world_size)]
+        running = Path(tmp, 'rank0.running')
         deadline = time.monotonic() + timeout
+        poll = None if usage is None and progress is None else 0.2  # else wake only when a rank ends
+        ranks_cpu, reported = [0.0] * world_size, None
         try:
-            for proc in procs:
-                proc.join(timeout=max(0.1, deadline - time.monotonic()))
-                if proc.exitcode is None:
-                    running = Path(tmp, 'rank0.running')
+            while alive := [proc for proc in procs if proc.exitcode is None]:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     current = running.read_text() if running.exists() else '?'
                     raise AssertionError(
                         f'{world_size}-rank launch did not finish within {timeout:.0f} s (call running on rank 0: '
                         f'{current}); output:\n{_tails(logs)}',
                     )
+                if usage is not None:  # read while the ranks live: the server reaps them, and their times with them
+                    ranks_cpu = [max(cpu, process_cpu_seconds(p.pid)) for cpu, p in zip(ranks_cpu, procs)]
+                if progress is not None and running.exists() and (current := running.read_text()) not in ('', reported):
+                    reported = current
+                    progress(current)
+                multiprocessing.connection.wait([p.sentinel for p in alive], timeout=min(left, poll or left))
         finally:
             for proc in procs:
                 if proc.exitcode is None:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)  # the rank and its DataLoader workers
                     proc.join()
+        if usage is not None:
+            usage.update(
+                elapsed=time.monotonic() - started,
+                machine_busy=machine_busy_seconds() - busy,
+                ranks_cpu=sum(ranks_cpu) + process_cpu_seconds(server) - server_cpu,
+            )
+        import torch
+
         results: dict[str, list[Any]] = {name: [None] * world_size for name, _, _ in calls}
         for rank, proc in enumerate(procs):
             out = Path(tmp, f'rank{rank}.pt')
@@ -143,6 +173,28 @@ def _tails(logs: list[Path], lines: int = 40) -> str:
         text = log.read_text(errors='replace').splitlines()[-lines:] if log.exists() else ['(no output)']
         out.append(f'--- rank {rank} ---\n' + '\n'.join(text))
     return '\n'.join(out)
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores), from /proc/stat."""
+    fields = Path('/proc/stat').read_text().split('\n', 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf('SC_CLK_TCK')
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by process ``pid`` (all its threads, not its children); 0 once it is gone."""
+    try:
+        fields = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+
+
+def _server_pid() -> int:
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver._forkserver_pid
 
 
 def _server() -> Any:

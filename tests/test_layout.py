@@ -1,63 +1,74 @@
 """The package's layout: subpackages by concern, imports one way only, as each subpackage's docstring says.
 
-Every subpackage's ``__init__`` docstring (and the top-level diagnostics module's) ends its contract with a
-line ``May import: a, b, c.`` naming the sibling subpackages it may import from (``nothing`` for none).
-These tests read every module's imports with ``ast``, function-level ones included, and fail on an import
-cycle between modules, on an import that the importing subpackage's docstring does not allow, and on
-allowances that would themselves go round in a circle.
+import-linter checks the imports, function-level ones included, against the contracts in ``pyproject.toml``
+(``[tool.importlinter]``): the layers (a subpackage imports only those below it), no import cycle between
+sibling modules or subpackages at any depth, nothing inside importing the public API, and per subpackage what
+its docstring's ``May import: a, b, c.`` line leaves out of the layers below it. ``make lint`` runs it too.
+These tests run it, show that a wrong import breaks it, and check what it cannot: that every docstring's
+``May import`` line says what the contracts say (so neither drifts), that no module is left at the top level
+but ``collectives``, and the public API.
 """
 
 from __future__ import annotations
 
 import ast
 import re
-from graphlib import CycleError, TopologicalSorter
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import composer_join
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10; import-linter itself depends on tomli there
+    import tomli as tomllib
+
 PACKAGE = Path(composer_join.__file__).parent
+ROOT = PACKAGE.parent
 TOP = 'composer_join'
+CONFIG = tomllib.loads((ROOT / 'pyproject.toml').read_text())['tool']['importlinter']
+CONTRACTS = {c['id']: c for c in CONFIG['contracts']}
+LINT_IMPORTS = 'from importlinter.cli import lint_imports_command; lint_imports_command()'  # the lint-imports script
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix('').parts
-    return '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
+def lint_imports(cwd: Path) -> tuple[int, str]:
+    """``lint-imports`` in ``cwd`` (it finds the package and ``pyproject.toml`` there): its exit code and output.
+
+    No cache is left behind; the output's colours are taken out."""
+    run = subprocess.run(
+        [sys.executable, '-c', LINT_IMPORTS, '--no-cache'],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return run.returncode, re.sub(r'\x1b\[[0-9;]*m', '', run.stdout + run.stderr)
 
 
-MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob('*.py'))}
+def broken(output: str) -> set[str]:
+    """The ids of the contracts an output reports broken."""
+    names = {c['name']: id_ for id_, c in CONTRACTS.items()}
+    return {names[line.removesuffix('BROKEN').strip()] for line in output.splitlines() if line.endswith(' BROKEN')}
 
 
-def imports(path: Path) -> set[str]:
-    """The composer_join modules ``path`` imports (``from x import y`` counts ``x.y`` when that is a module)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.split('.')[0] == TOP}
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f'{path}: relative import (the package uses absolute ones)'
-            if node.module and node.module.split('.')[0] == TOP:
-                found |= {
-                    f'{node.module}.{a.name}' if f'{node.module}.{a.name}' in MODULES else node.module
-                    for a in node.names
-                }
-    return found
+def layers() -> list[set[str]]:
+    """The layers contract's layers, top first, each a set of subpackage names (``a | b``: two independent ones)."""
+    contract = CONTRACTS['layers']
+    assert contract['type'] == 'layers' and contract['containers'] == [TOP] and contract['exhaustive']
+    return [{name.strip() for name in layer.split('|')} for layer in contract['layers']]
 
 
-def layer(module: str) -> str:
-    """``composer_join.join.loader`` -> ``join``; top-level modules are their own layer (``collectives``)."""
-    parts = module.split('.')
-    return parts[1] if len(parts) > 1 else TOP
-
-
-SUBPACKAGES = sorted({layer(m) for m in MODULES if m != TOP})
+SUBPACKAGES = sorted(set().union(*layers()))
 
 
 def allowed(name: str) -> set[str]:
     """What the ``May import:`` line of a subpackage's (or top-level module's) docstring allows."""
-    doc = ast.get_docstring(ast.parse(MODULES[f'{TOP}.{name}'].read_text())) or ''
+    path = PACKAGE / name / '__init__.py' if (PACKAGE / name).is_dir() else PACKAGE / f'{name}.py'
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ''
     found = re.search(r'^May import: ([^.(]*)', doc, re.MULTILINE)
     assert found, f'composer_join.{name}: its docstring has no "May import: ..." line'
     names = {n.strip() for n in found.group(1).split(',')} - {'nothing', 'nothing of composer_join outside core'}
@@ -66,49 +77,60 @@ def allowed(name: str) -> set[str]:
     return names
 
 
-def test_the_package_is_in_subpackages_by_concern():
-    assert set(SUBPACKAGES) == {
-        'core',
-        'interop',
-        'shadow',
-        'wrappers',
-        'rebalance',
-        'data',
-        'join',
-        'config',
-        'collectives',
-    }
-    flat = sorted(m for m in MODULES if m.count('.') == 1 and (PACKAGE / f'{layer(m)}.py').exists())
-    assert flat == ['composer_join.collectives'], f'modules left at the top level: {flat}'
+def test_the_import_contracts_are_kept():
+    code, output = lint_imports(ROOT)
+    assert code == 0, output
+    files = len(list(PACKAGE.rglob('*.py')))
+    assert f'Analyzed {files} files' in output, output  # this tree's package, every module of it
+    assert f'Contracts: {len(CONTRACTS)} kept, 0 broken.' in output, output
 
 
-def test_no_import_cycle_between_modules():
-    graph = {m: imports(p) - {m} for m, p in MODULES.items() if m != TOP}
-    try:
-        list(TopologicalSorter(graph).static_order())
-    except CycleError as e:
-        pytest.fail(f'import cycle: {" -> ".join(e.args[1])}')
+@pytest.mark.parametrize(
+    'module, line, contract',
+    [
+        ('core/errors.py', 'from composer_join.join.algorithm import UnevenJoin', 'layers'),  # upward
+        ('data/sampler.py', 'import composer_join.shadow.shadow', 'data'),  # below, but not in its May import line
+        ('config/registry.py', 'from composer_join.core.errors import UnevenInputsError', 'config'),
+        ('join/loader.py', 'from composer_join.join import algorithm', 'acyclic'),  # algorithm imports loader
+        ('collectives.py', 'from composer_join import UnevenJoin', 'no-root'),
+    ],
+)
+def test_a_wrong_import_breaks_a_contract(tmp_path, module, line, contract):
+    """On a copy of the package, a function-level import against the layout breaks the contract that forbids it."""
+    shutil.copytree(PACKAGE, tmp_path / TOP, ignore=shutil.ignore_patterns('__pycache__'))
+    shutil.copy(ROOT / 'pyproject.toml', tmp_path)
+    with open(tmp_path / TOP / module, 'a') as f:
+        f.write(f'\n\ndef _wrong():\n    {line}\n')
+    code, output = lint_imports(tmp_path)
+    assert code == 1, output
+    assert contract in broken(output), output
 
 
-def test_imports_go_only_where_the_docstrings_allow():
+def test_the_may_import_lines_say_what_the_contracts_say():
+    """Each docstring's line names exactly the subpackages below it in the layers, less its forbidden contract's."""
+    forbidden: dict[str, set[str]] = {name: set() for name in SUBPACKAGES}
+    for contract in CONTRACTS.values():
+        if contract['type'] == 'forbidden' and contract.get('allow_indirect_imports'):
+            (source,) = [m.removeprefix(f'{TOP}.') for m in contract['source_modules']]
+            forbidden[source] |= {m.removeprefix(f'{TOP}.') for m in contract['forbidden_modules']}
+    order = layers()
     wrong = []
-    for module, path in MODULES.items():
-        if module == TOP:
-            continue  # the public API imports from anywhere
-        here = layer(module)
-        for target in imports(path):
-            there = layer(target)
-            if there != here and there not in allowed(here):
-                wrong.append(f'{module} imports {target} ({here} may import: {sorted(allowed(here)) or "nothing"})')
+    for i, layer in enumerate(order):
+        below = set().union(*order[i + 1 :])
+        for name in sorted(layer):
+            if allowed(name) != below - forbidden[name]:
+                wrong.append(
+                    f'composer_join.{name}: "May import: {", ".join(sorted(allowed(name))) or "nothing"}", '
+                    f'the contracts: {", ".join(sorted(below - forbidden[name])) or "nothing"}'
+                )
     assert not wrong, '\n'.join(wrong)
 
 
-def test_the_allowed_directions_go_one_way():
-    try:
-        order = list(TopologicalSorter({name: allowed(name) for name in SUBPACKAGES}).static_order())
-    except CycleError as e:
-        pytest.fail(f'the "May import" lines go round in a circle: {" -> ".join(e.args[1])}')
-    assert order[0] == 'core' and order[-1] in ('config', 'collectives')
+def test_no_module_is_left_at_the_top_level_but_collectives():
+    on_disk = {p.stem for p in PACKAGE.iterdir() if p.suffix == '.py' or (p / '__init__.py').exists()} - {'__init__'}
+    assert on_disk == set(SUBPACKAGES), 'pyproject.toml [tool.importlinter]: the layers name every subpackage'
+    flat = sorted(name for name in SUBPACKAGES if (PACKAGE / f'{name}.py').exists())
+    assert flat == ['collectives'], f'modules left at the top level: {flat}'
 
 
 def test_the_public_api_is_unchanged():

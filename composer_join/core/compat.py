@@ -58,6 +58,7 @@ __all__ = [
     'distributed_sampler',
     'fsdp1_flat_param',
     'fsdp2_params',
+    'group_timeout',
     'hf_shuffle_buffer',
     'local_used_map',
     'metric_list_states',
@@ -212,6 +213,17 @@ def reset_reducer(ddp: Any) -> None:
     reset = getattr(getattr(ddp, 'reducer', None), '_reset_state', None)
     if reset is not None:
         reset()
+
+
+def group_timeout(group: Any) -> Any:
+    """A process group's collective timeout (a ``timedelta``); None, torch's default for a new group, where the
+    installed torch does not show it (the path without the names)."""
+    try:
+        backend = group._get_backend(group._device_types[0])
+        backend = getattr(backend, 'wrapped_pg', backend)  # under TORCH_DISTRIBUTED_DEBUG=DETAIL, a checking wrapper
+        return backend.options._timeout
+    except (AttributeError, IndexError, RuntimeError):
+        return None
 
 
 # -- torch: FSDP -----------------------------------------------------------------------------------------------

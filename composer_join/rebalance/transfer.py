@@ -54,12 +54,12 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, NamedTuple, Optional
 
 import torch
 from composer.utils import dist
 
+from composer_join.core import compat
 from composer_join.core.batches import map_tensors
 from composer_join.core.errors import UnevenInputsError
 
@@ -98,19 +98,9 @@ def transfer_group() -> Optional[torch.distributed.ProcessGroup]:
     if not _GROUP or _GROUP[0][0] is not default:
         # backend=None: the default group's, so NCCL transfers stay on the GPU. The timeout must be given: new_group
         # would take torch's default (30 min on gloo) rather than the one the trainer's group was made with.
-        group = torch.distributed.new_group(backend=None, timeout=_timeout_of(default))
+        group = torch.distributed.new_group(backend=None, timeout=compat.group_timeout(default))
         _GROUP[:] = [(default, group)]
     return _GROUP[0][1]
-
-
-def _timeout_of(group: Any) -> Optional[timedelta]:
-    """``group``'s collective timeout (``None``, torch's default for a new group, where torch does not show it)."""
-    try:
-        backend = group._get_backend(group._device_types[0])
-        backend = getattr(backend, 'wrapped_pg', backend)  # under TORCH_DISTRIBUTED_DEBUG=DETAIL, a checking wrapper
-        return backend.options._timeout
-    except (AttributeError, IndexError, RuntimeError):  # private in torch 2.7: absent in another version
-        return None
 
 
 class BatchChannel:

@@ -117,16 +117,19 @@ def group() -> dict[str, Any]:
     def sequence_number() -> int:
         return default._get_backend(default._device_types[0])._get_sequence_number_for_group()
 
+    def moved(rebalancer: RebalancingLoader) -> int:
+        return len(list(rebalancer.epoch(0, lambda resumed: iter(rebalancer.dataloader))))
+
     first = loader()
     before = sequence_number()
-    moved = len(list(first))
+    count = moved(first)
     second = loader()
-    moved += len(list(second))
+    count += moved(second)
     after = sequence_number()
     own = first.channel.group
     backend = own._get_backend(own._device_types[0])
     return {
-        'moved': moved,
+        'moved': count,
         'groups_made': torch.distributed.get_pg_count() - groups_before,
         'same_group': own is second.channel.group is transfer_group(),
         'is_default': own is default,

@@ -197,6 +197,7 @@ class ShadowWay:
     guarded = True  # its forward runs: the buffers are guarded and restored after the backward
     pads = False  # every rank runs the step's largest microbatch count
     probes = False  # a forward that communicates must be found (no forward runs: it would not be matched)
+    runs_model = True  # its shadow microbatches run the model (their zero-weighted loss reaches parameters)
 
     def __init__(self, loss_shape: Optional[LossShape] = None):
         self.loss_shape = loss_shape or LossShape()  # the structure of the model's loss, for stand-in losses
@@ -231,6 +232,7 @@ class NoModelCode(ShadowWay):
 
     name = 'skip'
     probes = True
+    runs_model = False  # but on a rank with no loss of its own yet: the template (a step with needs_template)
 
     def __init__(self, stand_in: DDPShadow):
         super().__init__(stand_in.loss_shape)
@@ -393,16 +395,22 @@ class DDPWrapper(Wrapper):
     def after_loss(self, state: State, plan: StepPlan) -> None:
         if self._shadowing is None or self._shadowing.model_loss:  # the model's own (on the template: no data yet)
             self.way.loss_shape.record(state.loss)
-        if UnusedParameters.needed(plan):
+        if self._unused_needed(plan):
             self._unused.after_loss(state.loss, shadow=self._shadowing is not None)
         self._oom.after_loss(state)
 
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
         self._oom.after_backward(state)  # automatic microbatching: before forced_sync's all-reduces
         self._sync.after_backward(state.model, plan, state.optimizers, state.device.tensor_to_device)
-        if self._sync.last and UnusedParameters.needed(plan):  # every rank, once per step, after its last backward
+        if self._sync.last and self._unused_needed(plan):  # every rank, once per step, after its last backward
             self._unused.finish(state.device.tensor_to_device)
         self._end_shadow(state)
+
+    def _unused_needed(self, plan: StepPlan) -> bool:
+        """Whether this step takes back gradients no real sample gave (the same on every rank): some rank shadows by
+        running the model (this way does, or a rank with no loss of its own yet runs the template)."""
+        runs_model = self.way.runs_model or any(s.needs_template for s in plan.statuses)
+        return runs_model and UnusedParameters.needed(plan)
 
     def _end_shadow(self, state: State) -> None:
         self._microbatch.undo()

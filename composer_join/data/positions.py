@@ -53,6 +53,7 @@ __all__ = [
     'SampleCountPosition',
     'TrailPosition',
     'hugging_face_position',
+    'keeps_state',
     'litdata_position',
     'position_for',
     'register_position',
@@ -87,6 +88,11 @@ class Position(abc.ABC):
 
     resumes_itself = True
     """After :meth:`load`, the target starts at the saved position: Composer must not replay the epoch."""
+    elastic = False
+    """Its entries let a mid-epoch checkpoint resume on another world size (:mod:`composer_join.data.elastic`)."""
+    leaves_out_composer_state = True
+    """Composer's rank-0 ``dataset_state`` is left out of checkpoints while a fit runs (Composer would call
+    ``state_dict(num_samples, from_beginning)``, with the global count, on this data)."""
 
     def __init__(self, target: Any, dataloader: Any):
         self.target, self.dataloader = target, dataloader
@@ -121,6 +127,8 @@ class SampleCountPosition(Position):
     hands it the samples of this rank's own shard used in the epoch, which is what a per-rank shard
     resumes from. Register a dataset class of one's own with it (:func:`register_position`).
     """
+
+    leaves_out_composer_state = False  # Composer calls its signature rightly (a sharded checkpoint's load expects it)
 
     def save(self, used: int) -> Any:
         return self.target.state_dict(used, True)
@@ -349,6 +357,11 @@ def position_for(dataloader: Any, dataset: Any, replay: bool = False) -> Optiona
                 stacklevel=2,
             )
     return None
+
+
+def keeps_state(obj: Any) -> bool:
+    """Whether ``obj`` has ``state_dict`` and ``load_state_dict`` (Composer then checkpoints it as dataset state)."""
+    return _has_state(obj)
 
 
 def _has_state(obj: Any) -> bool:

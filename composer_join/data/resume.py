@@ -55,7 +55,7 @@ from composer.utils import dist
 
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.report import EpochReport
-from composer_join.data.positions import Position, Reading, SampleCountPosition
+from composer_join.data.positions import Position, Reading
 
 __all__ = [
     'Progress',
@@ -121,9 +121,7 @@ class RankPositions:
     def __init__(self, state: State, position: Position):
         self.state, self.position = state, position
         self._resumed_at = 0  # own samples of the epoch a loaded state resumes after, until its iteration opens
-        self._left_out = (
-            not isinstance(position, SampleCountPosition) and 'dataset_state' in state.serialized_attributes
-        )
+        self._left_out = position.leaves_out_composer_state and 'dataset_state' in state.serialized_attributes
         if self._left_out:
             state.serialized_attributes.remove('dataset_state')
 
@@ -150,7 +148,7 @@ class RankPositions:
         ``progress``: this rank's, now. None (no collective) where the adapter replays instead. If some rank
         cannot give its position, every rank raises :class:`UnevenInputsError` (that rank with why).
         """
-        if not self.position.resumes_itself:
+        if not (self.position.resumes_itself or self.position.elastic):
             return None
         mid = int(self.state.timestamp.sample_in_epoch) > 0
         try:
@@ -190,7 +188,8 @@ class RankPositions:
             )
         own = saved[rank]
         self.position.load(own['dataset'])
-        self.state.dataset_resumption['train'] = True
+        if self.position.resumes_itself:
+            self.state.dataset_resumption['train'] = True
         self._resumed_at = int(own.get('used', 0) or 0)
         return own
 
@@ -253,25 +252,28 @@ def restore(saved: dict[str, Any]) -> Resumed:
     )
 
 
-def check_world_size(resumed: Optional[Resumed], state: State) -> bool:
+def check_world_size(resumed: Optional[Resumed], state: State, elastic: bool = False) -> bool:
     """At ``FIT_START`` of a resumed run: True if the world size changed (then at an epoch boundary).
 
     Resuming on another world size is sound at an epoch boundary (every rank starts its new shard
     from the beginning) and is then allowed; the checkpoint of an epoch's last batch is one. Mid-epoch it
     raises :class:`UnevenInputsError`, the same on every rank (every rank loaded the same checkpoint; no
-    collective), naming both world sizes. Called at every world size, 1 included.
+    collective), naming both world sizes, unless ``elastic``: the rest of the epoch then resumes on the new world
+    size (:mod:`composer_join.data.elastic`). Called at every world size, 1 included.
     """
     world = dist.get_world_size()
     if resumed is None or resumed.world_size is None or resumed.world_size == world:
         return False
     saved = resumed.world_size
     epoch, batch = int(state.timestamp.epoch), int(state.timestamp.batch_in_epoch)
-    if batch > 0 and not resumed.epoch_done:
+    if batch > 0 and not resumed.epoch_done and not elastic:
         raise UnevenInputsError(
             f'this checkpoint was saved by {saved} ranks in the middle of epoch {epoch} (after batch {batch} of it), '
             f'and this run has {world} ranks: which samples each rank has trained in that epoch belongs to the '
-            f"{saved} ranks' shards, so resuming on {world} would train some samples twice and skip others. Resume "
-            f'on {saved} ranks, or from a checkpoint saved at an epoch boundary (e.g. save_interval="1ep", or the '
-            f"checkpoint of the epoch's last batch), which resumes on any number of ranks.",
+            f"{saved} ranks' shards, and this train data cannot name them in one global index space (a "
+            f'DistributedSampler or ExactDistributedSampler in a plain DataLoader, with no position of its own, can), '
+            f'so resuming on {world} would train some samples twice and skip others. Resume on {saved} ranks, or from '
+            f'a checkpoint saved at an epoch boundary (e.g. save_interval="1ep", or the checkpoint of the epoch\'s '
+            f'last batch), which resumes on any number of ranks.',
         )
     return True

@@ -122,6 +122,17 @@ class Lengths:
     per_rank: Optional[Sequence[Optional[int]]] = None
     """Every rank's own ``len()`` (None where it has none): the steps before the shortest rank's last batch are
     planned without a collective."""
+    offset: int = 0
+    """The iteration's first batch is step ``offset`` of its epoch (the rest of an epoch resumed on another world
+    size, :mod:`composer_join.data.elastic`); ``shared`` and ``per_rank`` count from the epoch's start."""
+
+    def shifted(self, offset: int) -> Lengths:
+        """These lengths, for an iteration whose first batch is step ``offset`` of its epoch."""
+        if not offset:
+            return self
+        per_rank = None if self.per_rank is None else [None if n is None else offset + n for n in self.per_rank]
+        shared = None if self.shared is None else offset + self.shared
+        return Lengths(shared, self.check_overflow, per_rank, offset)
 
 
 @dataclass
@@ -258,8 +269,8 @@ class JoinLoader:
         ended = now.exhausted and not now.peeked and (now.pending is None or not now.pending.status.has_batch)
         return Progress(
             trained=now.trained,
-            used=self.source.used(now.steps, now.trained),
-            sent=self.source.sent(now.steps),
+            used=self.source.used(now.steps - self.lengths.offset, now.trained),
+            sent=self.source.sent(now.steps - self.lengths.offset),
             ended=self.source.ends_with_own_data and ended,
         )
 
@@ -323,7 +334,7 @@ class JoinLoader:
         return self.positions.open(self.dataloader, resumed, self.samples, self._used)
 
     def _used(self) -> int:
-        return self.source.used(self._now.steps, self._now.trained)
+        return self.source.used(self._now.steps - self.lengths.offset, self._now.trained)
 
     def _iterate(self) -> Iterator[Any]:
         first, skipped, finished = 0, 0, False
@@ -336,7 +347,7 @@ class JoinLoader:
         if finished:  # every batch of the epoch was trained before the checkpoint: end it, reading nothing
             self._now = _Iteration(steps=first, ended=True, finished_on_resume=True)
             return
-        batches = self.source.epoch(first, self._open)
+        batches = self.source.epoch(first - self.lengths.offset, self._open)
         # a position loaded where this rank's data had ended may start the library's next epoch: read nothing
         exhausted = ended_before and self.source.ends_with_own_data
         now = self._now = _Iteration(steps=first, trained=trained_before, exhausted=exhausted)
@@ -350,7 +361,7 @@ class JoinLoader:
                 if fetched.local:
                     if not fetched.status.has_batch:  # only this rank knows: stop, and Composer stops every rank
                         now.failure = (step, fetched.error)  # error None: it ended before its len()
-                        self.source.make_transfers(batches, step + 1)
+                        self.source.make_transfers(batches, step + 1 - self.lengths.offset)
                         return
                     plan = plan_from_lengths(step, self._rank, fetched.status, self._world)
                 else:
@@ -596,6 +607,8 @@ def join_dataloader(
     positions: Callable[[BatchSource], Optional[RankPositions]] = lambda source: None,
     start: Optional[Callable[[], Start]] = None,
     report: Optional[EpochReport] = None,
+    dataloader: Optional[Iterable] = None,
+    offset: int = 0,
 ) -> JoinLoader:
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
@@ -607,10 +620,15 @@ def join_dataloader(
     ``settings``: UnevenJoin's (:func:`composer_join.core.settings.row`), checked to be the same on every
     rank in the same collective. ``install(changes)``: the algorithm's changes for each iteration, made
     through ``changes`` (:attr:`JoinLoader.opened`). ``positions(source)``: the per-rank positions of train
-    data that keeps one, for the chosen source. ``start`` and ``report``: :class:`JoinLoader`'s.
+    data that keeps one, for the chosen source. ``start`` and ``report``: :class:`JoinLoader`'s. ``dataloader``:
+    this one instead of ``state.dataloader`` (its whole length is Composer's cap), whose first batch is step
+    ``offset`` of the epoch (the rest of an epoch resumed on another world size).
     """
-    dataloader = state.dataloader
     current = None if state.dataloader_len is None else int(state.dataloader_len)
+    if dataloader is not None:
+        current = len_or_none(dataloader)
+    else:
+        dataloader = state.dataloader
     if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer
         own = dataloader.source.own_length  # with mode='rebalance': the batches its shard contributed
         current = own if own is not None else current
@@ -636,6 +654,7 @@ def join_dataloader(
         state.device.tensor_to_device,
         lambda batch: describe(batch)[0],
     )
+    lengths = lengths.shifted(offset)
     label = state.dataloader_label
     loader = JoinLoader(
         source,

@@ -19,18 +19,28 @@ raises; what a fit changes on Composer's own ``State`` (its checkpointed attribu
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, NamedTuple, Optional, cast
 
 from composer.core import Event, State
 from composer.loggers import Logger
 from composer.utils import dist
+from torch.utils.data import DataLoader
 
 from composer_join.core import compat
 from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan
 from composer_join.core.report import EpochReport
 from composer_join.core.source import BatchSource
-from composer_join.data.positions import position_for
+from composer_join.data.elastic import (
+    GlobalOrder,
+    GlobalOrderPosition,
+    layout_of,
+    one_epoch_loader,
+    remaining_for,
+)
+from composer_join.data.positions import Position, keeps_state, position_for
 from composer_join.data.resume import RankPositions, Resumed, check_world_size, train_position
 from composer_join.interop.closures import agree_on_closures
 from composer_join.interop.predict import empty_outputs
@@ -42,9 +52,17 @@ from composer_join.shadow.buffers import checkpoint_due
 from composer_join.shadow.gradients import scale_grad
 from composer_join.wrappers import wrapper_for
 
-__all__ = ['Run']
+__all__ = ['Rest', 'Run']
 
 log = logging.getLogger(__name__)
+
+
+class Rest(NamedTuple):
+    """The rest of an epoch resumed on another world size: this rank's indices, the layout, the sampler's order."""
+
+    indices: list[int]
+    layout: dict[str, Any]
+    order: GlobalOrder
 
 
 class Run:
@@ -79,6 +97,8 @@ class Run:
         self.evals: dict[str, JoinLoader] = {}
         self.positions: Optional[RankPositions] = None
         self.cap: Any = None  # Composer's train dataloader_len, lifted at EPOCH_START until BEFORE_DATALOADER
+        # () -> the train loader of the epochs after the rest of an epoch resumed elastically (made at its end)
+        self.after_epoch: Optional[Callable[[], JoinLoader]] = None
         self.microbatches = Microbatches(
             self.plan,
             self.rank,
@@ -101,46 +121,111 @@ class Run:
 
     def fit_start(self, state: State, logger: Logger) -> None:
         resumed, self.resumed = self.resumed, None
-        resized = check_world_size(resumed, state)  # raises mid-epoch on another world size
+        rest = self._rest_of_epoch(state, resumed)  # this rank's share of an epoch resumed elastically
+        resized = check_world_size(resumed, state, elastic=rest is not None)  # else raises mid-epoch
         # the checkpoint of an epoch's last batch, on another world size: that epoch ends with no batch
-        finished = resized and int(state.timestamp.batch_in_epoch) > 0
+        finished = resized and int(state.timestamp.batch_in_epoch) > 0 and rest is None
         if resized:
             self.wrapper.load_state_dict({})  # DDP: buffers are equal on every rank in a checkpoint
-        self.train = self.loader = loader = join_dataloader(
+        self.after_epoch = None
+        if rest is not None:
+            self.train = self.loader = self._train_loader(state, rest=rest)
+            self.after_epoch = lambda: self._train_loader(state)  # the next epoch: the sampler's shards again
+        else:
+            report = resumed.current if resumed is not None and (finished or not resized) else None
+            self.train = self.loader = self._train_loader(state, finished=finished, report=report)
+        self.positions = self.train.positions
+        # a position the data keeps itself, on the same world size: each rank its own
+        positions, saved = self.positions, resumed.ranks if resumed is not None and not resized else None
+        if positions is not None and positions.position.resumes_itself and saved is not None:
+            own = positions.load(saved)
+            if int(state.timestamp.sample_in_epoch) > 0:
+                self.train.resume(own, saved)
+        self.wrapper.fit_start(state, self.plan)
+        refuse_incompatible(state.algorithms, TEMPLATE_SAMPLES)
+
+    def _train_loader(
+        self,
+        state: State,
+        finished: bool = False,
+        report: Optional[EpochReport] = None,
+        rest: Optional[Rest] = None,
+    ) -> JoinLoader:
+        """The train dataloader, joined: the user's, or (``rest``) the rest of an epoch resumed elastically."""
+        return join_dataloader(
             state,
             self.train,
             self.throw,
             rebalance=self.mode == 'rebalance',
             settings=self.settings_row,
             install=lambda changes: self._install_train(state, changes),
-            positions=lambda source: self._rank_positions(state, source),
+            positions=lambda source: self._rank_positions(state, source, rest),
             start=lambda: train_position(state, finished),
             # (at a boundary on another world size, the report of a finished epoch of the old ranks is not this one)
-            report=resumed.current if resumed is not None and (finished or not resized) else None,
+            report=report,
+            dataloader=one_epoch_loader(cast(DataLoader, state.train_dataloader), rest.indices, rest.order)
+            if rest
+            else state.train_dataloader,
+            offset=int(state.timestamp.batch_in_epoch) if rest else 0,
         )
-        self.positions = loader.positions
-        if self.positions is not None and resumed is not None and resumed.ranks is not None and not resized:
-            own = self.positions.load(resumed.ranks)
-            if int(state.timestamp.sample_in_epoch) > 0:
-                loader.resume(own, resumed.ranks)
-        self.wrapper.fit_start(state, self.plan)
-        refuse_incompatible(state.algorithms, TEMPLATE_SAMPLES)
+
+    def _rest_of_epoch(self, state: State, resumed: Optional[Resumed]) -> Optional[Rest]:
+        """This rank's share of the samples no rank had used, where a mid-epoch checkpoint of data sharded by a
+        global-order sampler (:mod:`composer_join.data.elastic`) resumes on another world size, or continues an
+        epoch already resumed so; None otherwise (same world size: Composer replays; else refused or a boundary)."""
+        dataloader = state.train_dataloader
+        dataset = compat.dataset_of(state, dataloader)
+        if resumed is None or resumed.epoch_done or int(state.timestamp.batch_in_epoch) == 0:
+            return None
+        if position_for(dataloader, dataset) is not None or keeps_state(dataset):
+            return None  # the data keeps a position of its own
+        order = GlobalOrder.of(dataloader)
+        entries = resumed.ranks
+        if entries is None and resumed.world_size == 1 and order is not None:  # one rank: UnevenJoin was inactive
+            entries = [{'used': int(state.timestamp.sample_in_epoch), 'dataset': {'order': asdict(order)}}]
+        if order is None or entries is None:
+            return None
+        relaid = any(isinstance(e.get('dataset'), dict) and e['dataset'].get('layout') for e in entries)
+        if len(entries) == dist.get_world_size() and not relaid:
+            return None  # the sampler's own shards: Composer replays the epoch to the step
+        world, rank = dist.get_world_size(), dist.get_global_rank()
+        indices = remaining_for(entries, order, int(state.timestamp.epoch), world, rank)
+        if indices is None:
+            return None
+        state.dataset_resumption['train'] = True  # no replay: the rest of the epoch is a loader of its own
+        log.info(
+            'UnevenJoin: resuming epoch %d of a checkpoint of %d ranks on %d: this rank trains %d samples no rank '
+            'had used.',
+            int(state.timestamp.epoch),
+            len(entries),
+            world,
+            len(indices),
+        )
+        return Rest(indices, layout_of(entries), order)
 
     def _install_train(self, state: State, changes: Changes) -> None:
         """Each iteration over the train dataloader: the wrapper's changes, and optimizers that branch on the loss."""
         self.wrapper.install(changes, state, self.plan)
         agree_on_closures(state.optimizers, lambda: self.microbatches.shadow_step, changes)
 
-    def _rank_positions(self, state: State, source: BatchSource) -> Optional[RankPositions]:
-        """Per-rank positions for train data that keeps its own (None: left to Composer), read through ``source``."""
+    def _rank_positions(
+        self, state: State, source: BatchSource, rest: Optional[Rest] = None
+    ) -> Optional[RankPositions]:
+        """Per-rank positions for train data that keeps its own, or is sharded by a global-order sampler (None:
+        left to Composer), read through ``source``; ``rest``: the rest of an epoch resumed elastically."""
         # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader (left untouched).
         dataloader = state.train_dataloader
         dataset = compat.dataset_of(state, dataloader)
-        reused = self.positions
-        if reused is not None and reused.position.target in (dataloader, dataset):
-            position = reused.position  # a second fit() on the same data: it knows what it loaded into it
+        reused = self.positions.position if self.positions is not None else None
+        if rest is not None:
+            position: Optional[Position] = GlobalOrderPosition(dataloader, dataloader, rest.order, rest.layout)
+        elif reused is not None and reused.resumes_itself and reused.target in (dataloader, dataset):
+            position = reused  # a second fit() on the same data: it knows what it loaded into it
         else:
             position = position_for(dataloader, dataset, replay=source.reads_ahead)
+            order = GlobalOrder.of(dataloader) if position is None and not keeps_state(dataset) else None
+            if order is not None:
+                position = GlobalOrderPosition(dataloader, dataloader, order)
         return None if position is None else RankPositions(state, position)
 
     def fit_end(self, state: State, logger: Logger) -> None:
@@ -215,6 +300,9 @@ class Run:
         logger.log_metrics(report.metrics())  # type: ignore[arg-type]  # ints are floats to a logger
         if self.rank == 0:
             log.info('UnevenJoin %s', report.summary())
+        if self.after_epoch is not None:  # the rest of an epoch resumed elastically is done: the sampler's shards
+            self.train, self.after_epoch = self.after_epoch(), None
+            self.loader, self.positions = self.train, self.train.positions
 
     def checkpoint(self, state: State, logger: Logger, event: Event) -> None:
         """A ``*_CHECKPOINT`` event at which a checkpoint is saved: the wrapper makes its contents equal on every rank."""

@@ -1,0 +1,204 @@
+"""Elastic resumption: a checkpoint saved mid-epoch resumes on any number of ranks, every sample trained once.
+
+Where every rank's shard of an epoch can be named in one global index space, a mid-epoch checkpoint is enough
+to know which samples of the epoch no rank has trained yet, whatever the world size that resumes it:
+
+* the train sampler is recognised by what it is (:func:`sampler_of`): exactly torch's ``DistributedSampler`` or
+  :class:`~composer_join.ExactDistributedSampler` given as ``sampler=``, or a subclass of one given as
+  ``batch_sampler=`` that yields its base class's order in batches (checked), in a plain ``DataLoader``;
+* each rank's checkpoint entry holds, compactly, the sampler's description (kind, dataset length, seed,
+  shuffle, ``drop_last``) and how many samples of its own shard it has used in the epoch (trained, or,
+  rebalancing, given to another rank): :class:`GlobalOrderPosition`;
+* resuming on another world size, every rank recomputes each old rank's shard of the epoch with the sampler's
+  own code (:meth:`GlobalOrder.shard`), drops the used prefix of each, and takes every ``W``-th of what is
+  left (:func:`remaining_for`): unevenly where they do not divide, which is what UnevenJoin is for.
+  :func:`one_epoch_loader` gives the rest of the epoch as a ``DataLoader`` like the user's (its dataset,
+  collate function, workers), over those indices; the next epoch shards as usual for the new world size.
+
+Cost: one ``all_gather_object`` of a few integers per rank at each checkpoint; on resuming on another world
+size, one permutation of the dataset per old rank (what the sampler itself costs) and a second length
+agreement at the end of the resumed epoch.
+
+Example::
+
+    # saved by 2 ranks after batch 3 of epoch 1, resumed on 3: the samples of epoch 1 no rank trained,
+    # split over 3 ranks, then epoch 2 on 3 ranks' shards
+    trainer = Trainer(..., algorithms=[UnevenJoin()], load_path='ckpt/ep1-ba11-rank0.pt')
+    trainer.fit()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, cast
+
+from torch.utils.data import DataLoader, DistributedSampler
+
+from composer_join.data.positions import Position
+from composer_join.data.sampler import ExactDistributedSampler
+
+__all__ = [
+    'GlobalOrder',
+    'GlobalOrderPosition',
+    'layout_of',
+    'one_epoch_loader',
+    'remaining_for',
+    'sampler_of',
+    'shard_of',
+]
+
+_KINDS: dict[str, type] = {'torch': DistributedSampler, 'exact': ExactDistributedSampler}
+
+
+@dataclass(frozen=True)
+class GlobalOrder:
+    """A sampler whose shards are named in one global index space: its kind and what decides its order.
+
+    Attributes:
+        kind: ``'torch'`` (``DistributedSampler``) or ``'exact'`` (:class:`~composer_join.ExactDistributedSampler`).
+        size: the dataset's length.
+        shuffle, seed, drop_last: the sampler's.
+        batch: 0 for a sampler given as ``sampler=``; for a batch-yielding subclass given as ``batch_sampler=``,
+            its batch size.
+    """
+
+    kind: str
+    size: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    batch: int = 0
+    """Given as ``batch_sampler=``: a subclass that yields the base class's order in batches of this many."""
+
+    @classmethod
+    def of(cls, dataloader: Any) -> Optional[GlobalOrder]:
+        """The order of ``dataloader``'s sampler, if it is recognised (:func:`sampler_of`), else None."""
+        found = sampler_of(dataloader)
+        if found is None:
+            return None
+        sampler, batch = found
+        kind = next(k for k, c in _KINDS.items() if isinstance(sampler, c) and c is _base(sampler))
+        size = len(sampler.dataset)  # type: ignore[arg-type]  # a DistributedSampler's dataset has a len()
+        return cls(kind, size, bool(sampler.shuffle), int(sampler.seed), bool(sampler.drop_last), batch)
+
+    def shard(self, world: int, rank: int, epoch: int) -> list[int]:
+        """Rank ``rank``'s indices in ``epoch`` with ``world`` ranks, in its order: the sampler's own code."""
+        sampler = _KINDS[self.kind](
+            range(self.size),
+            num_replicas=world,
+            rank=rank,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+        )
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+
+def sampler_of(dataloader: Any) -> Optional[tuple[DistributedSampler, int]]:
+    """The sampler whose order names ``dataloader``'s shards, and its batch size if it yields batches; else None.
+
+    A plain ``DataLoader`` (not a subclass) whose ``sampler=`` is exactly ``DistributedSampler`` or
+    :class:`~composer_join.ExactDistributedSampler`, or whose ``batch_sampler=`` (what Composer looks at first) is
+    a subclass of one of them that yields the base class's order in batches: checked, not assumed, by iterating
+    both once (indices only), every batch but the last full, the last one not dropped.
+    """
+    if type(dataloader) is not DataLoader:
+        return None
+    batches = dataloader.batch_sampler
+    if isinstance(batches, tuple(_KINDS.values())):
+        sampler = cast(DistributedSampler, batches)
+        base = list(_base(sampler).__iter__(sampler))
+        given = [list(b) for b in sampler]
+        size = len(given[0]) if given else 0
+        whole = [i for b in given for i in b] == base and all(len(b) == size for b in given[:-1])
+        return (sampler, size) if whole and size else None
+    given_sampler = dataloader.sampler
+    return (cast(DistributedSampler, given_sampler), 0) if type(given_sampler) in _KINDS.values() else None
+
+
+def _base(sampler: DistributedSampler) -> type:
+    """The one of the two recognised classes ``sampler`` is (ExactDistributedSampler before its own base)."""
+    return ExactDistributedSampler if isinstance(sampler, ExactDistributedSampler) else DistributedSampler
+
+
+class GlobalOrderPosition(Position):
+    """The position of data read through a :class:`GlobalOrder` sampler: its description, nothing to load.
+
+    ``layout``: None for an epoch sharded by the sampler itself; for the rest of an epoch resumed on another
+    world size, the layout that split it (:func:`shard_of`), so that a checkpoint taken then resumes too. On the
+    same world size with no layout, Composer replays the epoch to the step (exact); otherwise the entries
+    :meth:`save` gives make :func:`remaining_for` split what no rank used. Composer's own ``dataset_state`` stays.
+    """
+
+    resumes_itself = False
+    elastic = True
+    leaves_out_composer_state = False
+
+    def __init__(self, target: Any, dataloader: Any, order: GlobalOrder, layout: Optional[dict[str, Any]] = None):
+        super().__init__(target, dataloader)
+        self.order, self.layout = order, layout
+
+    def save(self, used: int) -> Any:
+        return {'order': asdict(self.order), 'layout': self.layout}
+
+    def load(self, state: Any) -> None:
+        pass
+
+
+def layout_of(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The layout of an epoch resumed from ``entries`` (every old rank's checkpoint entry): what :func:`shard_of` reads."""
+    return {
+        'world': len(entries),
+        'used': [int(e['used']) for e in entries],
+        'layout': entries[0]['dataset'].get('layout'),
+    }
+
+
+def shard_of(order: GlobalOrder, layout: Optional[dict[str, Any]], world: int, rank: int, epoch: int) -> list[int]:
+    """Rank ``rank``'s indices of ``epoch`` with ``world`` ranks: the sampler's shard, or (``layout``: an epoch
+    resumed on another world size) its share of what the previous world had not used."""
+    if layout is None:
+        return order.shard(world, rank, epoch)
+    prev = int(layout['world'])
+    left = [
+        i for r, used in enumerate(layout['used']) for i in shard_of(order, layout['layout'], prev, r, epoch)[used:]
+    ]
+    return left[rank::world]
+
+
+def remaining_for(
+    entries: Sequence[dict[str, Any]], order: GlobalOrder, epoch: int, world: int, rank: int
+) -> Optional[list[int]]:
+    """This rank's share (``rank`` of ``world``) of the samples of ``epoch`` that no old rank had used.
+
+    ``entries``: every old rank's checkpoint entry (``used`` and ``dataset``: :meth:`GlobalOrderPosition.save`).
+    None if the entries do not describe ``order`` (another sampler, dataset length, seed or shuffle).
+    """
+    described = [e.get('dataset') for e in entries]
+    if any(not isinstance(d, dict) or d.get('order') != asdict(order) for d in described):
+        return None
+    return shard_of(order, layout_of(entries), world, rank, epoch)
+
+
+def one_epoch_loader(dataloader: DataLoader, indices: list[int], order: GlobalOrder) -> DataLoader:
+    """A ``DataLoader`` like ``dataloader`` (its dataset, batching, collate function, workers) over ``indices``."""
+    workers = dataloader.num_workers
+    common: dict[str, Any] = dict(
+        collate_fn=dataloader.collate_fn,
+        num_workers=workers,
+        pin_memory=dataloader.pin_memory,
+        timeout=dataloader.timeout,
+        worker_init_fn=dataloader.worker_init_fn,
+        multiprocessing_context=dataloader.multiprocessing_context,
+        generator=dataloader.generator,
+        prefetch_factor=dataloader.prefetch_factor if workers else None,
+        pin_memory_device=dataloader.pin_memory_device,
+    )
+    if order.batch:
+        chunks = [indices[i : i + order.batch] for i in range(0, len(indices), order.batch)]
+        return DataLoader(dataloader.dataset, batch_sampler=chunks, **common)
+    return DataLoader(
+        dataloader.dataset, sampler=indices, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last, **common
+    )

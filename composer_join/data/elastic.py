@@ -118,7 +118,7 @@ def sampler_of(dataloader: Any) -> Optional[tuple[DistributedSampler, int]]:
     return (cast(DistributedSampler, given_sampler), 0) if type(given_sampler) in _KINDS.values() else None
 
 
-def _base(sampler: DistributedSampler) -> type:
+def _base(sampler: DistributedSampler) -> type[DistributedSampler]:
     """The one of the two recognised classes ``sampler`` is (ExactDistributedSampler before its own base)."""
     return ExactDistributedSampler if isinstance(sampler, ExactDistributedSampler) else DistributedSampler
 

@@ -45,6 +45,10 @@ class BatchesOf(DistributedSampler):
 
 def make_loader(cfg: dict) -> DataLoader:
     """This rank's loader over the ``size`` ids, sharded by ``cfg['sampler']`` for the current world size."""
+    if cfg['sampler'] == 'streaming':  # mosaicml-streaming: one global sample space, split by the dataset itself
+        from scenarios_pipelines import make_loader as pipeline_loader
+
+        return pipeline_loader('streaming', [cfg['size']], 0, dict(cfg, batch_size=cfg['batch_size']), cfg['data'])
     dataset = IdMap(0, cfg['size'])
     shuffle, seed = cfg.get('shuffle', True), 3
     if cfg['sampler'] == 'exact':

@@ -3,8 +3,8 @@
 Each case saves 2 epochs on ``old`` ranks with a checkpoint after every batch, then resumes from some of them on
 ``new`` ranks, to the same 2 epochs: mid-epoch before the short rank ran out, after it (its own data ended, the
 long rank still has a batch), and from the checkpoint of the epoch's last batch. Shadow and rebalance, shuffled
-and not, ``ExactDistributedSampler`` and torch's ``DistributedSampler`` (also in a ``BatchSampler`` given as
-``batch_sampler=``), DataLoader workers; 2 -> 3, 3 -> 2, 2 -> 1, 1 -> 2, 4 -> 2, and a chain: resumed again, on 2
+and not, ``ExactDistributedSampler`` and torch's ``DistributedSampler`` (also a batch-yielding subclass given as
+``batch_sampler=``), DataLoader workers, a local mosaicml-streaming ``StreamingDataset`` (resumed by Composer); 2 -> 3, 3 -> 2, 2 -> 1, 1 -> 2, 4 -> 2, and a chain: resumed again, on 2
 ranks, from a checkpoint taken inside an epoch already resumed on 3. For every resume, against references computed
 here (the samplers' shards from their definitions):
 
@@ -21,6 +21,7 @@ size and role, in the order the chain needs.
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,6 +50,18 @@ CASES: dict[str, dict[str, Any]] = {
     '2to3_batched_torch': dict(old=2, new=3, sampler='torch', batched=True, size=12, batch_size=3, resume_at=[2]),
     # 31 ids on 2 ranks, resumed at batch 1 on 3 (25 left: 3 steps), its checkpoints kept for the chain
     '2to3_long': dict(old=2, new=3, sampler='exact', size=31, batch_size=3, resume_at=[1]),
+    # mosaicml-streaming: Composer and the dataset resume its global sample space; UnevenJoin lets them
+    '2to1_streaming': dict(old=2, new=1, sampler='streaming', size=16, batch_size=4, resume_at=[1]),
+}
+# cannot be resumed on another world size mid-epoch: every rank stops at FIT_START naming both world sizes
+REFUSED: dict[str, dict[str, Any]] = {
+    # a batch-yielding DistributedSampler that drops its last partial batch: not its base class's order
+    '2to3_batched_drop_tail': dict(
+        old=2, new=3, sampler='torch', batched='drop_tail', size=14, batch_size=3, resume_at=[1], expect_error=True
+    ),
+    '2to1_batched_drop_tail': dict(
+        old=2, new=1, sampler='torch', batched='drop_tail', size=14, batch_size=3, resume_at=[1], expect_error=True
+    ),
 }
 # resumed again on 2 ranks from the 2 -> 3 run resumed at batch 1, at its batch 2 (inside the resumed epoch)
 CHAIN = dict(CASES['2to3_long'], old=3, new=2, after=('2to3_long', 1), resume_at=[2])
@@ -63,10 +76,13 @@ def _folder(root, name: str, stock: bool = False) -> str:
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp('elastic')
     out: dict = {}
+    for cfg in (*CASES.values(), *REFUSED.values()):
+        if cfg['sampler'] == 'streaming':
+            cfg['data'] = str(root / 'mds')
     for world in (1, 2, 3, 4):  # the saves
         calls = [
             (f'save:{name}', 'scenarios_elastic:save', dict(cfg=cfg, folder=_folder(root, name)))
-            for name, cfg in CASES.items()
+            for name, cfg in {**CASES, **REFUSED}.items()
             if cfg['old'] == world
         ]
         calls += [
@@ -81,7 +97,7 @@ def runs(tmp_path_factory) -> dict:
         out.update(launch(world, calls, timeout=300))
     for world in (3, 2, 1):  # the resumes (3 first: the chain resumes one of its runs on 2)
         calls = []
-        for name, cfg in {**CASES, 'chain': CHAIN}.items():
+        for name, cfg in {**CASES, **REFUSED, 'chain': CHAIN}.items():
             if cfg['new'] != world:
                 continue
             for b in cfg['resume_at']:
@@ -105,8 +121,10 @@ def runs(tmp_path_factory) -> dict:
 
 
 def shard(cfg: dict, world: int, rank: int, epoch: int) -> list[int]:
-    """Rank ``rank``'s ids of ``epoch``, from the samplers' definitions."""
+    """Rank ``rank``'s ids of ``epoch``, from the samplers' definitions (streaming: rank 0 all of them)."""
     n = cfg['size']
+    if cfg['sampler'] == 'streaming':
+        return list(range(n)) if rank == 0 else []
     if cfg['sampler'] == 'torch':  # torch's own sampler, padding included
         sampler = DistributedSampler(
             range(n), num_replicas=world, rank=rank, shuffle=cfg.get('shuffle', True), seed=SEED
@@ -177,3 +195,49 @@ def test_a_mid_epoch_checkpoint_resumes_on_another_world_size_exactly(runs, name
     for rank, res in enumerate(resumed):
         diff = max_abs_diff(res['params'], expected_params)
         assert diff < TOL, f'{name}@{batch}: rank {rank} is {diff:.2e} from the single-process replay'
+
+
+@pytest.mark.parametrize('name', list(REFUSED))
+def test_data_without_one_global_index_space_stops_every_rank_naming_both_world_sizes(runs, name):
+    cfg = REFUSED[name]
+    for b in cfg['resume_at']:
+        for rank, res in enumerate(ok(runs, f'resume:{name}@{b}')):
+            assert res['error'] is not None, f'{name}@{b}: rank {rank} trained on'
+            kind, message = res['error']
+            assert kind == 'UnevenInputsError', (rank, kind, message)
+            assert f'saved by {cfg["old"]} ranks' in message and f'this run has {cfg["new"]} ranks' in message, message
+            assert 'one global index space' in message and 'epoch boundary' in message, message
+            assert res['steps'] == {}, f'{name}@{b}: rank {rank} trained before stopping'
+
+
+def stock_outcome(runs: dict, name: str, batch: int) -> str:
+    """Stock Composer on a case: the ids of the interrupted epoch trained across both runs (of all), or the error."""
+    cfg = CASES[name]
+    saved, resumed = ok(runs, f'stock_save:{name}'), ok(runs, f'stock_resume:{name}@{batch}')
+    errors = sorted({f'{r["error"][0]}: {r["error"][1].splitlines()[0]}' for r in resumed if r['error']})
+    if errors:
+        return f'raises `{" / ".join(errors)}`'
+    steps = merged((saved, 0), (resumed, batch))
+    trained = [i for epoch, _, parts in steps if epoch == 0 for part in parts for i in part]
+    expected = Counter(i for r in range(cfg['old']) for i in shard(cfg, cfg['old'], r, 0))
+    counted = Counter(trained)
+    twice = sum((counted - expected).values())
+    never = sum((expected - counted).values())
+    out = f'trains {len(trained)} of {sum(expected.values())}'
+    details = [f'{twice} twice' for _ in [0] if twice] + [f'{never} never' for _ in [0] if never]
+    return out + (f' ({", ".join(details)})' if details else '')
+
+
+DOCS = Path(__file__).parent.parent / 'docs' / 'reliability.md'
+STOCK_COLUMN = 'stock Composer (measured)'
+
+
+def test_docs_stock_column_is_the_measured_one(runs):
+    from test_pipelines import docs_column
+
+    measured = {f'{name}@{b}': stock_outcome(runs, name, b) for name in STOCK for b in CASES[name]['resume_at']}
+    documented = docs_column(DOCS.read_text(), STOCK_COLUMN)
+    wrong = {k: (documented.get(k), v) for k, v in measured.items() if documented.get(k) != v}
+    assert not wrong, 'docs/reliability.md disagrees (documented, measured):\n' + '\n'.join(
+        f'{k}: {d!r} != {m!r}' for k, (d, m) in wrong.items()
+    )

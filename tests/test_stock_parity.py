@@ -119,14 +119,22 @@ def test_a_checkpoint_of_2_ranks_resumes_on_3_at_an_epoch_boundary(resized):
         assert torch.equal(res['params'], per_rank[0]['params']), f'rank {rank}: replicas differ'
 
 
-def test_a_checkpoint_of_2_ranks_stops_every_rank_of_3_mid_epoch_naming_both_world_sizes(resized):
-    for rank, res in enumerate(resized['mid_epoch']):
-        assert not isinstance(res, RankError), f'rank {rank}: {res}'  # not a crash (old: IndexError in the report)
-        assert res['error'] is not None, f'rank {rank} trained on'
-        kind, message = res['error']
-        assert kind == 'UnevenInputsError'
-        assert 'saved by 2 ranks' in message and 'this run has 3 ranks' in message, message
-        assert res['batch'] == 2  # stopped at FIT_START, before any step
+def test_a_checkpoint_of_2_ranks_resumes_on_3_mid_epoch_every_sample_once(two_ranks, resized):
+    # ExactDistributedSampler names every rank's shard in one index space: the rest of epoch 0 resumes on 3 ranks
+    # (issue 35), each sample of it once; epoch 1 then on the 3 ranks' shards. (Before: every rank stopped at
+    # FIT_START naming both world sizes; before that, IndexError in the report at the first step.)
+    dataset = list(range(RESIZE_SIZE))
+    saved = ok(two_ranks, 'save')  # its first 2 batches (8 samples per rank) were trained before the checkpoint
+    before = [i for res in saved for i in res['ids'][0][: 2 * RESIZE_BATCH]]
+    per_rank = ok(resized, 'mid_epoch')
+    after = [i for res in per_rank for i in res['ids'].get(0, [])]
+    assert sorted(before + after) == dataset, 'epoch 0 across both runs: every sample once'
+    for rank, res in enumerate(per_rank):
+        assert res['error'] is None, f'rank {rank}: {res["error"]}'
+        sampler = ExactDistributedSampler(dataset, num_replicas=3, rank=rank, shuffle=True, seed=3)
+        sampler.set_epoch(1)
+        assert res['ids'][1] == list(sampler), f'rank {rank}'
+        assert torch.equal(res['params'], per_rank[0]['params']), f'rank {rank}: replicas differ'
 
 
 @pytest.mark.parametrize('name', SPEC_CASES)

@@ -54,6 +54,7 @@ __all__ = [
     'TrailPosition',
     'hugging_face_position',
     'keeps_state',
+    'left_to_composer',
     'litdata_position',
     'position_for',
     'register_position',
@@ -357,6 +358,17 @@ def position_for(dataloader: Any, dataset: Any, replay: bool = False) -> Optiona
                 stacklevel=2,
             )
     return None
+
+
+def left_to_composer(dataloader: Any, dataset: Any) -> bool:
+    """Whether the train data is registered as Composer's to resume (mosaicml-streaming: one global sample space,
+    resumed on any number of ranks by Composer and the dataset themselves)."""
+    for target in (dataloader, dataset):
+        if target is not None:
+            registered, adapter = _lookup(target)
+            if registered:
+                return adapter is None
+    return False
 
 
 def keeps_state(obj: Any) -> bool:

@@ -209,7 +209,9 @@ class JoinLoader:
         self.to_device, self.microbatch_size = to_device, microbatch_size
         self.opened, self.label, self.positions, self.start = opened, label, positions, start
         earlier = earlier if earlier is not None and earlier.dataloader is self.dataloader else None
-        self.template: Optional[Any] = earlier.template if earlier else None  # first samples of a real batch (CPU)
+        self.template: Optional[Any] = (
+            earlier.template if earlier is not None else None
+        )  # first samples of a real batch (CPU)
         self.report = report or EpochReport(epoch=0, world_size=dist.get_world_size())
         self.epoch = self.report.epoch
         self.plan: Optional[StepPlan] = None  # the current step's plan, while iterating (see current_plan)
@@ -217,7 +219,7 @@ class JoinLoader:
         self._recounted: Optional[tuple[StepPlan, Any, StepPlan]] = None
         self.uncapped = False  # Composer iterates without its dataloader_len cap this time (see lift_cap)
         self._warned: bool = (
-            earlier._warned if earlier else False
+            earlier._warned if earlier is not None else False
         )  # the warning about a len() that undercounts was given
         self._resumed: tuple[int, bool] = (0, False)  # own samples trained, own data ended, before a mid-epoch resume
         self._now = _Iteration()
@@ -609,6 +611,7 @@ def join_dataloader(
     report: Optional[EpochReport] = None,
     dataloader: Optional[Iterable] = None,
     offset: int = 0,
+    unsized: bool = False,
 ) -> JoinLoader:
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
@@ -622,7 +625,8 @@ def join_dataloader(
     through ``changes`` (:attr:`JoinLoader.opened`). ``positions(source)``: the per-rank positions of train
     data that keeps one, for the chosen source. ``start`` and ``report``: :class:`JoinLoader`'s. ``dataloader``:
     this one instead of ``state.dataloader`` (its whole length is Composer's cap), whose first batch is step
-    ``offset`` of the epoch (the rest of an epoch resumed on another world size).
+    ``offset`` of the epoch (the rest of an epoch resumed on another world size). ``unsized``: its length is not
+    known (the rest of an epoch a dataset resumed itself on another world size): every step agreed.
     """
     current = None if state.dataloader_len is None else int(state.dataloader_len)
     if dataloader is not None:
@@ -633,7 +637,8 @@ def join_dataloader(
         own = dataloader.source.own_length  # with mode='rebalance': the batches its shard contributed
         current = own if own is not None else current
         dataloader = dataloader.dataloader
-    own_len = len_or_none(dataloader)
+    own_len = None if unsized else len_or_none(dataloader)
+    current = None if unsized else current
     if rebalance and own_len is not None and current is not None:
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
     shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device, settings)

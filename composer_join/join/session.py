@@ -40,7 +40,7 @@ from composer_join.data.elastic import (
     one_epoch_loader,
     remaining_for,
 )
-from composer_join.data.positions import Position, keeps_state, position_for
+from composer_join.data.positions import Position, keeps_state, left_to_composer, position_for
 from composer_join.data.resume import RankPositions, Resumed, check_world_size, train_position
 from composer_join.interop.closures import agree_on_closures
 from composer_join.interop.predict import empty_outputs
@@ -58,11 +58,12 @@ log = logging.getLogger(__name__)
 
 
 class Rest(NamedTuple):
-    """The rest of an epoch resumed on another world size: this rank's indices, the layout, the sampler's order."""
+    """The rest of an epoch resumed on another world size: this rank's indices, the layout, the sampler's order;
+    or (all None) data Composer resumes itself (mosaicml-streaming), whose rest of the epoch has no known length."""
 
-    indices: list[int]
-    layout: dict[str, Any]
-    order: GlobalOrder
+    indices: Optional[list[int]] = None
+    layout: Optional[dict[str, Any]] = None
+    order: Optional[GlobalOrder] = None
 
 
 class Run:
@@ -164,9 +165,10 @@ class Run:
             # (at a boundary on another world size, the report of a finished epoch of the old ranks is not this one)
             report=report,
             dataloader=one_epoch_loader(cast(DataLoader, state.train_dataloader), rest.indices, rest.order)
-            if rest
+            if rest is not None and rest.indices is not None and rest.order is not None
             else state.train_dataloader,
-            offset=int(state.timestamp.batch_in_epoch) if rest else 0,
+            offset=int(state.timestamp.batch_in_epoch) if rest is not None and rest.indices is not None else 0,
+            unsized=rest is not None and rest.indices is None,
         )
 
     def _rest_of_epoch(self, state: State, resumed: Optional[Resumed]) -> Optional[Rest]:
@@ -177,6 +179,8 @@ class Run:
         dataset = compat.dataset_of(state, dataloader)
         if resumed is None or resumed.epoch_done or int(state.timestamp.batch_in_epoch) == 0:
             return None
+        if left_to_composer(dataloader, dataset) and resumed.world_size not in (None, dist.get_world_size()):
+            return Rest()  # Composer and the dataset resume its global sample space on any number of ranks
         if position_for(dataloader, dataset) is not None or keeps_state(dataset):
             return None  # the data keeps a position of its own
         order = GlobalOrder.of(dataloader)
@@ -217,7 +221,7 @@ class Run:
         dataloader = state.train_dataloader
         dataset = compat.dataset_of(state, dataloader)
         reused = self.positions.position if self.positions is not None else None
-        if rest is not None:
+        if rest is not None and rest.order is not None:
             position: Optional[Position] = GlobalOrderPosition(dataloader, dataloader, rest.order, rest.layout)
         elif reused is not None and reused.resumes_itself and reused.target in (dataloader, dataset):
             position = reused  # a second fit() on the same data: it knows what it loaded into it

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from toy import shard
+from toy import make_module, per_sample_loss, shard
 
 POOL = 1000
 EVAL_IDS = 500  # eval ids start here
@@ -103,3 +103,19 @@ def wds_id(sample: dict) -> int:
 def id_row(i: int) -> dict:
     """``litdata.optimize``: the row written for input ``i``."""
     return {'id': i}
+
+
+def replay(steps: list[list[list[int]]]) -> dict[str, torch.Tensor]:
+    """One process trains every step of ids from the pool (each step: the ids of each of its ranks): the mean loss over
+    the step's samples, times ``A_t / W_t`` (the ranks with ids, of the step's ranks). SGD, momentum 0.9, as the
+    scenarios train. The single-process reference of the pipeline, resumption and elastic tests."""
+    module = make_module('mlp')
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    for per_rank in steps:
+        active = [ids for ids in per_rank if ids]
+        ids = torch.tensor([i for part in active for i in part])
+        loss = per_sample_loss(module, X[ids], Y[ids]).sum() / len(ids) * len(active) / len(per_rank)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in module.named_parameters()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -90,11 +91,14 @@ def _fit(cfg: dict, join: bool, **kwargs) -> dict[str, Any]:
         callbacks=[steps],
         # a batch_sampler= DataLoader has no batch_size for Composer to take the microbatch size from
         **({'device_train_microbatch_size': cfg['batch_size']} if cfg.get('batched') else {}),
+        **({'train_subset_num_batches': cfg['subset']} if cfg.get('subset') else {}),
         **kwargs,
     )
     error = None
     try:
-        trainer.fit()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            trainer.fit()
     except Exception as e:  # stock Composer's outcome, or a refusal the test checks
         if join and not cfg.get('expect_error'):
             raise
@@ -106,6 +110,7 @@ def _fit(cfg: dict, join: bool, **kwargs) -> dict[str, Any]:
         'steps': steps.steps,
         'params': {k: v.detach().clone() for k, v in model.module.named_parameters()},
         'error': error,
+        'warnings': [str(w.message) for w in caught if 'UnevenJoin' in str(w.message)],
     }
 
 

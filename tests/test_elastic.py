@@ -29,10 +29,9 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from harness import launch
-from pipeline_data import X, Y
+from pipeline_data import replay
 from reference import max_abs_diff
 from test_join_core import ok
-from toy import make_module, per_sample_loss
 
 TOL, SEED = 1e-5, 3
 CASES: dict[str, dict[str, Any]] = {
@@ -50,6 +49,9 @@ CASES: dict[str, dict[str, Any]] = {
     '2to3_batched_torch': dict(old=2, new=3, sampler='torch', batched=True, size=12, batch_size=3, resume_at=[2]),
     # 31 ids on 2 ranks, resumed at batch 1 on 3 (25 left: 3 steps), its checkpoints kept for the chain
     '2to3_long': dict(old=2, new=3, sampler='exact', size=31, batch_size=3, resume_at=[1]),
+    # train_subset_num_batches=2 (of 6/5 batches on 2 ranks, 4/4/4 on 3): the rest of epoch 0 trains in full (25
+    # ids: 3 steps on 3 ranks), epoch 1 the first 2 batches of each new shard
+    '2to3_subset': dict(old=2, new=3, sampler='exact', size=31, batch_size=3, subset=2, resume_at=[1]),
     # mosaicml-streaming: Composer and the dataset resume its global sample space; UnevenJoin lets them
     '2to1_streaming': dict(old=2, new=1, sampler='streaming', size=16, batch_size=4, resume_at=[1]),
 }
@@ -150,20 +152,6 @@ def merged(*runs: tuple[list[dict], int]) -> list[tuple[int, int, list[list[int]
     return [steps[s] for s in sorted(steps)]
 
 
-def replay(steps: list[tuple[int, int, list[list[int]]]]) -> dict[str, torch.Tensor]:
-    """One process trains every step: the mean loss over the step's samples, times A_t / W_t."""
-    module = make_module('mlp')
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    for _, world, per_rank in steps:
-        ids = torch.tensor([i for part in per_rank for i in part])
-        active = sum(1 for part in per_rank if part)
-        loss = per_sample_loss(module, X[ids], Y[ids]).sum() / len(ids) * active / world
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
-
-
 RESUMES = [(name, b) for name, cfg in CASES.items() for b in cfg['resume_at']]
 
 
@@ -185,13 +173,17 @@ def test_a_mid_epoch_checkpoint_resumes_on_another_world_size_exactly(runs, name
     )
     new = cfg['new']
     later = [[i for epoch, _, parts in steps if epoch == 1 for i in parts[k]] for k in range(new)]
-    if cfg.get('mode') == 'rebalance':
+    if cfg.get('subset'):  # the rest of the epoch in full, with a warning; then the subset again
+        assert all('train_subset_num_batches=2' in ' '.join(r['warnings']) for r in resumed), resumed[0]['warnings']
+        taken = cfg['subset'] * cfg['batch_size']
+        assert later == [shard(cfg, new, k, 1)[:taken] for k in range(new)], f'{name}@{batch}: epoch 1 not the subset'
+    elif cfg.get('mode') == 'rebalance':
         assert Counter(i for part in later for i in part) == Counter(
             i for k in range(new) for i in shard(cfg, new, k, 1)
         )
     else:
         assert later == [shard(cfg, new, k, 1) for k in range(new)], f'{name}@{batch}: epoch 1 not the new shards'
-    expected_params = replay(steps)
+    expected_params = replay([parts for _, _, parts in steps])
     for rank, res in enumerate(resumed):
         diff = max_abs_diff(res['params'], expected_params)
         assert diff < TOL, f'{name}@{batch}: rank {rank} is {diff:.2e} from the single-process replay'

@@ -87,10 +87,10 @@ import pytest
 import torch
 
 from harness import RankError, launch
-from pipeline_data import EVAL_IDS, X, Y, kept
+from pipeline_data import EVAL_IDS, X, Y, kept, replay
 from reference import max_abs_diff
 from test_join_core import ok
-from toy import make_module, per_sample_loss
+from toy import make_module
 
 WORLD, TOL = 2, 1e-5
 BASE = dict(batch_size=4, eval_sizes=[6, 3])
@@ -252,19 +252,9 @@ def runs(tmp_path_factory):
     return launch(WORLD, calls, timeout=600)
 
 
-def replay(steps_per_rank: list[dict[int, tuple[int, list[int]]]]) -> dict[str, torch.Tensor]:
-    """One process trains every recorded step: the mean loss over the step's samples, times A_t / W."""
-    module = make_module('mlp')
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    for step in sorted(steps_per_rank[0]):
-        per_rank = [steps[step][1] for steps in steps_per_rank]
-        active = [ids for ids in per_rank if ids]
-        ids = torch.tensor([i for part in active for i in part])
-        loss = per_sample_loss(module, X[ids], Y[ids]).sum() / len(ids) * len(active) / len(per_rank)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
+def steps_of(steps_per_rank: list[dict[int, tuple[int, list[int]]]]) -> list[list[list[int]]]:
+    """Every recorded step, in order: the ids of each rank."""
+    return [[steps[step][1] for steps in steps_per_rank] for step in sorted(steps_per_rank[0])]
 
 
 def evaluated(flat: torch.Tensor, ids: list[int]) -> dict[str, float]:
@@ -303,7 +293,7 @@ def test_pipeline_case_is_exact(runs, name):
     assert len(epochs) >= 2 and all(ids == train_ids for ids in epochs.values()), f'{name}: not every id once per epoch'
     for rank, res in enumerate(full):
         assert max_abs_diff(res['params'], full[0]['params']) == 0.0, f'{name}: rank {rank} differs from rank 0'
-    diff = max_abs_diff(full[0]['params'], replay([r['steps'] for r in full]))
+    diff = max_abs_diff(full[0]['params'], replay(steps_of([r['steps'] for r in full])))
     assert diff < TOL, f'{name}: {diff:.2e} from the single-process replay'
     for res in full:
         evaluations = len(epochs)  # one after each epoch
@@ -356,7 +346,7 @@ POSITIONS = {
     'hf_iterable_w0_rebalance_resume': 'Replay',  # rebalancing without len()
     'plain_state_w0_rebalance': 'PlainStatePosition',  # registered by the tests
     'streaming_w0_shadow': None,  # mosaicml-streaming: left to Composer
-    'map_exact_w0_shadow': None,  # no state of its own
+    'map_exact_w0_shadow': 'GlobalOrderPosition',  # no state of its own: its sampler's global order
 }
 
 

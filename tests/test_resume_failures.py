@@ -31,9 +31,8 @@ import pytest
 import torch
 
 from harness import RankError, launch
-from pipeline_data import X, Y
+from pipeline_data import replay
 from reference import max_abs_diff
-from toy import make_module, per_sample_loss
 
 TOL = 1e-6
 TIMEOUT, COLLECTIVE_TIMEOUT = 120, 20
@@ -233,20 +232,6 @@ def steps(runs: list[dict], before: int | None = None) -> list[list[list[int]]]:
     keys = sorted(runs[0]['steps'])
     assert all(sorted(run['steps']) == keys for run in runs), [sorted(run['steps']) for run in runs]
     return [[run['steps'][s][1] for run in runs] for s in keys if before is None or s < before]
-
-
-def replay(all_steps: list[list[list[int]]]) -> dict[str, torch.Tensor]:
-    """One process trains every step: the mean loss over its samples, times A_t / W (W: that step's ranks)."""
-    module = make_module('mlp')
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    for per_rank in all_steps:
-        active = [ids for ids in per_rank if ids]
-        ids = torch.tensor([i for part in active for i in part])
-        loss = per_sample_loss(module, X[ids], Y[ids]).sum() / len(ids) * len(active) / len(per_rank)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
 def same_replicas(runs: list[dict], what: str) -> None:

@@ -69,7 +69,6 @@ class GlobalOrder:
     seed: int
     drop_last: bool
     batch: int = 0
-    """Given as ``batch_sampler=``: a subclass that yields the base class's order in batches of this many."""
 
     @classmethod
     def of(cls, dataloader: Any) -> Optional[GlobalOrder]:

@@ -610,6 +610,7 @@ def join_dataloader(
     start: Optional[Callable[[], Start]] = None,
     report: Optional[EpochReport] = None,
     dataloader: Optional[Iterable] = None,
+    length: Optional[int] = None,
     offset: int = 0,
     unsized: bool = False,
 ) -> JoinLoader:
@@ -624,13 +625,13 @@ def join_dataloader(
     rank in the same collective. ``install(changes)``: the algorithm's changes for each iteration, made
     through ``changes`` (:attr:`JoinLoader.opened`). ``positions(source)``: the per-rank positions of train
     data that keeps one, for the chosen source. ``start`` and ``report``: :class:`JoinLoader`'s. ``dataloader``:
-    this one instead of ``state.dataloader`` (its whole length is Composer's cap), whose first batch is step
-    ``offset`` of the epoch (the rest of an epoch resumed on another world size). ``unsized``: its length is not
+    this one instead of ``state.dataloader``, with Composer's cap ``length`` (default: its whole length), whose
+    first batch is step ``offset`` of the epoch (the rest of an epoch resumed on another world size). ``unsized``: its length is not
     known (the rest of an epoch a dataset resumed itself on another world size): every step agreed.
     """
     current = None if state.dataloader_len is None else int(state.dataloader_len)
     if dataloader is not None:
-        current = len_or_none(dataloader)
+        current = len_or_none(dataloader) if length is None else length
     else:
         dataloader = state.dataloader
     if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer

@@ -19,7 +19,8 @@ raises; what a fit changes on Composer's own ``State`` (its checkpointed attribu
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from typing import Any, NamedTuple, Optional, cast
 
@@ -130,8 +131,10 @@ class Run:
             self.wrapper.load_state_dict({})  # DDP: buffers are equal on every rank in a checkpoint
         self.after_epoch = None
         if rest is not None:
+            cap = state.dataloader_len  # Composer's, for the user's train dataloader (a subset of it, say)
             self.train = self.loader = self._train_loader(state, rest=rest)
-            self.after_epoch = lambda: self._train_loader(state)  # the next epoch: the sampler's shards again
+            # the next epoch: the sampler's shards again, as many batches as Composer would take
+            self.after_epoch = lambda: self._train_loader(state, cap=cap)
         else:
             report = resumed.current if resumed is not None and (finished or not resized) else None
             self.train = self.loader = self._train_loader(state, finished=finished, report=report)
@@ -151,8 +154,15 @@ class Run:
         finished: bool = False,
         report: Optional[EpochReport] = None,
         rest: Optional[Rest] = None,
+        cap: Any = None,
     ) -> JoinLoader:
-        """The train dataloader, joined: the user's, or (``rest``) the rest of an epoch resumed elastically."""
+        """The train dataloader, joined: Composer's (``state.dataloader``), the rest of an epoch resumed elastically
+        (``rest``), or the user's with Composer's ``dataloader_len`` ``cap`` (the epochs after that rest)."""
+        dataloader: Optional[Iterable] = None
+        if rest is not None and rest.indices is not None and rest.order is not None:
+            dataloader = one_epoch_loader(cast(DataLoader, state.train_dataloader), rest.indices, rest.order)
+        elif cap is not None:
+            dataloader = state.train_dataloader
         return join_dataloader(
             state,
             self.train,
@@ -164,9 +174,8 @@ class Run:
             start=lambda: train_position(state, finished),
             # (at a boundary on another world size, the report of a finished epoch of the old ranks is not this one)
             report=report,
-            dataloader=one_epoch_loader(cast(DataLoader, state.train_dataloader), rest.indices, rest.order)
-            if rest is not None and rest.indices is not None and rest.order is not None
-            else state.train_dataloader,
+            dataloader=dataloader,
+            length=None if cap is None else int(cap),
             offset=int(state.timestamp.batch_in_epoch) if rest is not None and rest.indices is not None else 0,
             unsized=rest is not None and rest.indices is None,
         )
@@ -197,6 +206,15 @@ class Run:
         if indices is None:
             return None
         state.dataset_resumption['train'] = True  # no replay: the rest of the epoch is a loader of its own
+        cap = state.dataloader_len
+        if cap is not None and int(cap) < len(cast(DataLoader, dataloader)):  # train_subset_num_batches
+            warnings.warn(
+                f'UnevenJoin: train_subset_num_batches={int(cap)}: the rest of epoch {int(state.timestamp.epoch)}, '
+                f'resumed on {world} ranks from a checkpoint of {len(entries)}, trains every sample no rank had '
+                'used (a subset of the old shards has no meaning on the new world size); the next epochs take '
+                'the subset again.',
+                stacklevel=2,
+            )
         log.info(
             'UnevenJoin: resuming epoch %d of a checkpoint of %d ranks on %d: this rank trains %d samples no rank '
             'had used.',

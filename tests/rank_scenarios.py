@@ -24,6 +24,7 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 import devices
+import reference
 from composer_join import UnevenInputsError, UnevenJoin, is_shadow_step
 from composer_join.collectives import CollectiveCounter
 from composer_join.data.sampler import ExactDistributedSampler
@@ -301,10 +302,7 @@ def make_evaluator(cfg: dict, rank: int) -> Optional[Evaluator]:
     )
 
 
-def make_optimizer(cfg: dict, params) -> torch.optim.Optimizer:
-    if cfg.get('optimizer', 'sgd') == 'adam':
-        return torch.optim.Adam(params, lr=cfg.get('lr', 0.01))
-    return torch.optim.SGD(params, lr=cfg.get('lr', 0.1), momentum=0.9)
+make_optimizer = reference.optimizer_for
 
 
 def eval_logged(memory: InMemoryLogger) -> dict[str, list[float]]:

@@ -34,9 +34,10 @@ def batches_of(cfg: dict, rank: int) -> list:
 
 
 def optimizer_for(cfg: dict, params) -> torch.optim.Optimizer:
+    """The scenario's optimizer (the ranks build theirs with this too): SGD with ``momentum`` (0.9), or Adam."""
     if cfg.get('optimizer', 'sgd') == 'adam':
         return torch.optim.Adam(params, lr=cfg.get('lr', 0.01))
-    return torch.optim.SGD(params, lr=cfg.get('lr', 0.1), momentum=0.9)
+    return torch.optim.SGD(params, lr=cfg.get('lr', 0.1), momentum=cfg.get('momentum', 0.9))
 
 
 def train(cfg: dict, divide: bool = True) -> dict:

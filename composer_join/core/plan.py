@@ -1,12 +1,12 @@
 """The agreement on a step: which ranks still have data, and what every rank needs to know about it.
 
 On a step that needs it, every rank contributes one row (``RankStatus``) and receives everybody's
-rows in one small ``all_reduce`` (a ``world_size x 12`` integer tensor). From the rows each rank
+rows in one small ``all_reduce`` (a ``world_size x 13`` integer tensor). From the rows each rank
 derives the same :class:`StepPlan`, so every decision that follows (shadow or real, gradient
 factor, buffer source, microbatch syncing, stop or go) is taken identically everywhere without
 further communication.
 
-Cost: one asynchronous collective of ``96 * world_size`` bytes per agreed step; :class:`Agreement`
+Cost: one asynchronous collective of ``104 * world_size`` bytes per agreed step; :class:`Agreement`
 starts it and waits only when the plan is needed, so the loader can start step ``t + 1``'s
 agreement while step ``t`` trains.
 
@@ -56,6 +56,7 @@ class RankStatus:
     held: int = 0  # rebalancing without len(): own batches in its read-ahead buffer (composer_join.rebalance.readahead)
     drained: bool = False  # rebalancing without len(): its own dataloader has ended
     unsendable: bool = False  # rebalancing without len(): it holds a batch that cannot be sent
+    content: int = 0  # under tensor parallelism: batches.content_crc of its batch (0: none, or not taken)
 
     def row(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]

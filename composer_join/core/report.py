@@ -24,6 +24,8 @@ class EpochReport:
         own_batches, received_batches, given_batches, bytes_sent: with ``mode='rebalance'`` only
             (empty otherwise): per rank, batches trained from its own shard, received from other
             ranks, given to other ranks, and bytes it sent (headers included).
+        tensor_parallel: ranks per data-parallel member (:mod:`composer_join.core.layout`); above 1, "rank" above
+            and in :meth:`metrics` is the data-parallel rank, each TP group counted once (its bytes: all its ranks').
     """
 
     epoch: int
@@ -36,6 +38,7 @@ class EpochReport:
     received_batches: list[int] = field(default_factory=list)
     given_batches: list[int] = field(default_factory=list)
     bytes_sent: list[int] = field(default_factory=list)
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         w = self.world_size
@@ -128,8 +131,9 @@ class EpochReport:
                 if self.rebalanced
                 else ''
             )
+            who = f'data-parallel rank {rank}' if self.tensor_parallel > 1 else f'rank {rank}'
             lines.append(
-                f'  rank {rank}: {self.real_batches[rank]} real batches ({self.real_samples[rank]} samples){moved}, '
+                f'  {who}: {self.real_batches[rank]} real batches ({self.real_samples[rank]} samples){moved}, '
                 f'{self.shadow_steps[rank]} shadow steps',
             )
         if self.rebalanced:

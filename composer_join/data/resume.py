@@ -46,7 +46,7 @@ Example::
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -54,6 +54,7 @@ from composer.core import State
 from composer.utils import dist
 
 from composer_join.core.errors import UnevenInputsError
+from composer_join.core.layout import Layout
 from composer_join.core.report import EpochReport
 from composer_join.data.positions import Position, Reading
 
@@ -200,11 +201,13 @@ def snapshot(
     wrapper: dict[str, Any],
     ranks: Optional[list[dict[str, Any]]] = None,
     epoch_done: bool = False,
+    groups: Optional[Sequence[Sequence[int]]] = None,
 ) -> dict[str, Any]:
     """What UnevenJoin puts in its ``state_dict``: plain data, the same on every rank.
 
     ``ranks``: :meth:`RankPositions.gather`'s per-rank positions, if the data keeps its own.
     ``epoch_done``: the step just trained was the epoch's last (a checkpoint of it is an epoch boundary).
+    ``groups``: the data-parallel members' ranks (:class:`~composer_join.core.layout.Layout`), if not one per rank.
     """
     return {
         'world_size': dist.get_world_size(),
@@ -213,6 +216,7 @@ def snapshot(
         'wrapper': copy.deepcopy(wrapper),
         'ranks': ranks,
         'epoch_done': epoch_done,
+        'groups': None if groups is None else [list(g) for g in groups],
     }
 
 
@@ -232,6 +236,8 @@ class Resumed:
     """The world size that saved it (checkpoints of 0.1.0: from its reports), None if unknown."""
     epoch_done: bool
     """It was saved after the epoch's last batch (before ``EPOCH_END``)."""
+    groups: Optional[tuple[tuple[int, ...], ...]] = None
+    """The data-parallel members' ranks under tensor parallelism (None: one per rank, or unknown)."""
 
 
 def restore(saved: dict[str, Any]) -> Resumed:
@@ -249,31 +255,48 @@ def restore(saved: dict[str, Any]) -> Resumed:
         ranks=saved.get('ranks'),
         world_size=None if world is None else int(world),
         epoch_done=bool(saved.get('epoch_done', False)),
+        groups=None if saved.get('groups') is None else tuple(tuple(int(r) for r in g) for g in saved['groups']),
     )
 
 
-def check_world_size(resumed: Optional[Resumed], state: State, elastic: bool = False) -> bool:
-    """At ``FIT_START`` of a resumed run: True if the world size changed (then at an epoch boundary).
+def check_world_size(
+    resumed: Optional[Resumed], state: State, elastic: bool = False, layout: Optional[Layout] = None
+) -> bool:
+    """At ``FIT_START`` of a resumed run: True if the world size or the layout changed (then at an epoch boundary).
 
     Resuming on another world size is sound at an epoch boundary (every rank starts its new shard
     from the beginning) and is then allowed; the checkpoint of an epoch's last batch is one. Mid-epoch it
     raises :class:`UnevenInputsError`, the same on every rank (every rank loaded the same checkpoint; no
     collective), naming both world sizes, unless ``elastic``: the rest of the epoch then resumes on the new world
-    size (:mod:`composer_join.data.elastic`). Called at every world size, 1 included.
+    size (:mod:`composer_join.data.elastic`). Called at every world size, 1 included. ``layout``: this run's
+    data-parallel members; a checkpoint of another layout (tensor-parallel groups) counts as another world size,
+    and under tensor parallelism a mid-epoch checkpoint resumes only on the same layout.
     """
     world = dist.get_world_size()
-    if resumed is None or resumed.world_size is None or resumed.world_size == world:
+    groups = layout.groups if layout is not None and layout.tp > 1 else None
+    if resumed is None or resumed.world_size is None or (resumed.world_size, resumed.groups) == (world, groups):
         return False
-    saved = resumed.world_size
+    saved = _ranks(resumed.world_size, resumed.groups)
+    now = _ranks(world, groups)
     epoch, batch = int(state.timestamp.epoch), int(state.timestamp.batch_in_epoch)
     if batch > 0 and not resumed.epoch_done and not elastic:
+        why = (
+            'a layout with tensor-parallel groups resumes mid-epoch only on the same layout'
+            if groups is not None or resumed.groups is not None
+            else 'this train data cannot name them in one global index space (a DistributedSampler or '
+            'ExactDistributedSampler in a plain DataLoader, with no position of its own, can)'
+        )
         raise UnevenInputsError(
-            f'this checkpoint was saved by {saved} ranks in the middle of epoch {epoch} (after batch {batch} of it), '
-            f'and this run has {world} ranks: which samples each rank has trained in that epoch belongs to the '
-            f"{saved} ranks' shards, and this train data cannot name them in one global index space (a "
-            f'DistributedSampler or ExactDistributedSampler in a plain DataLoader, with no position of its own, can), '
-            f'so resuming on {world} would train some samples twice and skip others. Resume on {saved} ranks, or from '
-            f'a checkpoint saved at an epoch boundary (e.g. save_interval="1ep", or the checkpoint of the epoch\'s '
-            f'last batch), which resumes on any number of ranks.',
+            f'this checkpoint was saved by {saved} in the middle of epoch {epoch} (after batch {batch} of it), '
+            f'and this run has {now}: which samples each rank has trained in that epoch belongs to the '
+            f"saved ranks' shards, and {why}, so resuming here would train some samples twice and skip others. "
+            f'Resume on {saved}, or from a checkpoint saved at an epoch boundary (e.g. save_interval="1ep", or the '
+            f"checkpoint of the epoch's last batch), which resumes on any number of ranks.",
         )
     return True
+
+
+def _ranks(world: int, groups: Optional[Sequence[Sequence[int]]]) -> str:
+    if groups is None:
+        return f'{world} ranks'
+    return f'{world} ranks in {len(groups)} tensor-parallel groups of {len(groups[0])}'

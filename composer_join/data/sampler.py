@@ -18,6 +18,11 @@ Contract
   ``len()``.
 * ``iter()`` costs one ``torch.randperm(len(dataset))`` with ``shuffle=True`` (as torch's does)
   and then materialises only this rank's shard; it holds no per-epoch state, no communication.
+* **Tensor parallelism.** Built with ``num_replicas`` and ``rank`` left to their defaults, it shards over
+  *data-parallel* ranks when the trainer's layout has tensor-parallel groups (Composer's ``tp_config``): the
+  ranks of a TP group yield the same shard. UnevenJoin applies the layout (:func:`shard_by_layout`) for each
+  iteration and for the length agreement, and undoes it afterwards; before ``fit()``, ``len()`` is over all ranks.
+  Given explicitly, ``num_replicas`` and ``rank`` are kept (and a TP group given different data is an error).
 * Attributes mirror torch's and stay truthful for the readers of them (Composer's eval loop reads
   ``total_size`` and ``len(sampler.dataset)`` to compute padding, which is always zero here):
 
@@ -37,13 +42,17 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-__all__ = ['ExactDistributedSampler']
+from composer_join.core import compat
+from composer_join.core.changes import Changes
+from composer_join.core.layout import Layout
+
+__all__ = ['ExactDistributedSampler', 'shard_by_layout']
 
 
 def _as_int(value: object, name: str) -> int:
@@ -69,8 +78,10 @@ class ExactDistributedSampler(DistributedSampler[int]):
     Args:
         dataset: a map-style dataset with ``__len__``; its length must not change afterwards
             (``iter()`` raises ``RuntimeError`` if it did).
-        num_replicas: number of ranks; defaults to ``torch.distributed.get_world_size()``.
-        rank: this rank in ``[0, num_replicas - 1]``; defaults to ``torch.distributed.get_rank()``.
+        num_replicas: number of ranks; defaults to ``torch.distributed.get_world_size()`` (under UnevenJoin with
+            tensor parallelism: the data-parallel size, see the module docstring).
+        rank: this rank in ``[0, num_replicas - 1]``; defaults to ``torch.distributed.get_rank()`` (the
+            data-parallel rank, likewise).
         shuffle: reshuffle every epoch (default ``True``); the permutation is the same on all ranks
             for the same ``seed`` and epoch.
         seed: shuffling seed, identical on all ranks (default ``0``).
@@ -109,11 +120,23 @@ class ExactDistributedSampler(DistributedSampler[int]):
                 raise ValueError(f'Invalid num_replicas {num_replicas}, num_replicas should be a positive integer')
         if rank is not None:
             rank = _as_int(rank, 'rank')
+        self.follows_layout = num_replicas is None and rank is None
+        """``num_replicas`` and ``rank`` were left to their defaults: UnevenJoin shards it over data-parallel ranks."""
         # Resolves the defaults from torch.distributed and validates rank exactly as torch does.
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
         dataset_len = len(dataset)  # type: ignore[arg-type]
         self.total_size = dataset_len
         self.num_samples = self.shard_length(self.rank)
+
+    def reshard(self, num_replicas: int, rank: int) -> tuple[int, int]:
+        """Shard over ``num_replicas`` as ``rank`` from now on; returns the earlier ``(num_replicas, rank)`` (give them
+        back to undo). Called by UnevenJoin under tensor parallelism (:func:`shard_by_layout`)."""
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f'Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]')
+        earlier = (self.num_replicas, self.rank)
+        self.num_replicas, self.rank = num_replicas, rank
+        self.num_samples = self.shard_length(rank)
+        return earlier
 
     def shard_length(self, rank: int) -> int:
         """Number of samples rank ``rank`` yields per epoch (the same in every epoch)."""
@@ -139,3 +162,19 @@ class ExactDistributedSampler(DistributedSampler[int]):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def shard_by_layout(dataloader: Any, layout: Layout, rank: int, changes: Changes) -> None:
+    """Where ``layout`` has tensor-parallel groups and ``dataloader``'s sampler is an :class:`ExactDistributedSampler`
+    that took its ranks from ``torch.distributed``: shard it over data-parallel ranks, undone by ``changes``.
+
+    Called by :func:`~composer_join.join.loader.join_dataloader` around the length agreement and when each iteration
+    opens. Anything else is left as it is. No communication.
+    """
+    if layout.tp == 1 or not isinstance(dataloader, DataLoader):
+        return
+    sampler = compat.distributed_sampler(dataloader)
+    if not isinstance(sampler, ExactDistributedSampler) or not sampler.follows_layout:
+        return
+    earlier = sampler.reshard(layout.members, layout.member(rank))
+    changes.call(lambda: sampler.reshard(*earlier))

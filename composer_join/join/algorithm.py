@@ -137,7 +137,7 @@ class UnevenJoin(Algorithm):
 
     Cost: one collective per fit or evaluation to agree on the epoch length. When every rank's
     dataloader has a ``len()``, no further collective on the steps before the shortest rank's last
-    batch, and one small one (``96 * W`` bytes) on each step from there on; without a ``len()`` on
+    batch, and one small one (``104 * W`` bytes) on each step from there on; without a ``len()`` on
     some rank, that small one on every step. A shadow step is inert (``docs/shadow-steps.md``): under DDP
     it runs no model code, only DDP's collectives; where the forward communicates (``SyncBatchNorm``) a
     forward and backward on zero samples; under FSDP on two template samples, with a zero loss.
@@ -241,6 +241,7 @@ class UnevenJoin(Algorithm):
                 'wrapper': resumed.wrapper if resumed else {},
                 'ranks': resumed.ranks if resumed else None,
                 'epoch_done': resumed.epoch_done if resumed else False,
+                'groups': resumed.groups if resumed else None,
             }
         return {**super().state_dict(), **snapshot(self.reports, **run)}
 

@@ -69,9 +69,10 @@ from composer.utils import dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from composer_join.core import compat
-from composer_join.core.batches import first_samples, to_cpu
+from composer_join.core.batches import content_crc, first_samples, to_cpu
 from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
+from composer_join.core.layout import Layout, check_lengths
 from composer_join.core.plan import (
     Agreement,
     RankStatus,
@@ -85,6 +86,7 @@ from composer_join.core.plan import (
 from composer_join.core.report import EpochReport
 from composer_join.core.source import IDLE, BatchSource, Failed, OwnBatches
 from composer_join.data.resume import Progress, RankPositions, Start
+from composer_join.data.sampler import shard_by_layout
 from composer_join.rebalance.readahead import rebalanced_without_len
 from composer_join.rebalance.rebalance import rebalanced
 from composer_join.shadow.dataspec import ShadowSplit, count_microbatches, count_samples, spec_for
@@ -186,6 +188,9 @@ class JoinLoader:
         earlier: an earlier loader over the same dataloader (the trainer's previous fit or evaluation): its
             template (first samples of a real batch) and whether it warned already are kept.
         report: the current epoch's report, if it goes on (a checkpoint's, resumed).
+        layout: the data-parallel members (:class:`~composer_join.core.layout.Layout`; default: every rank its own).
+            Under tensor parallelism every step is agreed, the ranks of a member must hold the same batch
+            (:meth:`~composer_join.core.layout.Layout.check_rows`), and the report counts members.
     """
 
     def __init__(
@@ -202,7 +207,9 @@ class JoinLoader:
         start: Optional[Callable[[], Start]] = None,
         earlier: Optional[JoinLoader] = None,
         report: Optional[EpochReport] = None,
+        layout: Optional[Layout] = None,
     ):
+        self.layout = layout if layout is not None else Layout.flat(dist.get_world_size())
         self.source, self.dataloader = source, source.dataloader
         self.describe, self.lengths = describe, lengths
         self.throw_on_early_termination = throw_on_early_termination
@@ -212,7 +219,7 @@ class JoinLoader:
         self.template: Optional[Any] = (
             earlier.template if earlier is not None else None
         )  # first samples of a real batch (CPU)
-        self.report = report or EpochReport(epoch=0, world_size=dist.get_world_size())
+        self.report = report or self._new_report(0)
         self.epoch = self.report.epoch
         self.plan: Optional[StepPlan] = None  # the current step's plan, while iterating (see current_plan)
         self._sizes: tuple[Any, Any] = (None, None)  # microbatch size when the pending batch / the plan was counted
@@ -224,6 +231,9 @@ class JoinLoader:
         self._resumed: tuple[int, bool] = (0, False)  # own samples trained, own data ended, before a mid-epoch resume
         self._now = _Iteration()
         self._rank, self._world = dist.get_global_rank(), dist.get_world_size()
+
+    def _new_report(self, epoch: int) -> EpochReport:
+        return EpochReport(epoch=epoch, world_size=self.layout.members, tensor_parallel=self.layout.tp)
 
     # -- what the algorithm asks -------------------------------------------------------------------
 
@@ -284,11 +294,13 @@ class JoinLoader:
         """
         self._resumed = (int(own['trained']), bool(own.get('ended', False)))
         self.source.resume(int(own['used']), int(own.get('sent', 0)))
-        self.report.real_samples = [int(entry['trained']) for entry in saved]
+        self.report.real_samples = self.layout.leaders([int(entry['trained']) for entry in saved])
 
     @property
     def planned_steps(self) -> int:
-        """Leading steps of every epoch planned from the lengths alone, with no collective."""
+        """Leading steps of every epoch planned from the lengths alone, with no collective (none under TP)."""
+        if self.layout.tp > 1:  # every step agreed: the ranks of a tensor-parallel group must hold one batch
+            return 0
         return steps_planned_from_lengths(self.lengths.per_rank, self.length)
 
     def __getattr__(self, name: str) -> Any:
@@ -345,7 +357,7 @@ class JoinLoader:
             self.set_epoch(epoch)
         trained_before, ended_before = self._resumed if first else (0, False)
         if first + skipped == 0 or self.report.epoch != self.epoch:  # else: resuming the report's epoch
-            self.report = EpochReport(epoch=self.epoch, world_size=self._world)
+            self.report = self._new_report(self.epoch)
         if finished:  # every batch of the epoch was trained before the checkpoint: end it, reading nothing
             self._now = _Iteration(steps=first, ended=True, finished_on_resume=True)
             return
@@ -381,7 +393,7 @@ class JoinLoader:
                         self._share_template(plan.template_source)
                 self.plan, self._sizes = plan, (self._sizes[0], self._sizes[0])
                 if step >= first + skipped:  # not a batch Composer spins past on resumption
-                    self.report.record(plan)
+                    self.report.record(self.layout.member_plan(plan))
                 # Fetch the next batch (and start its agreement) now: it completes while this step trains.
                 # With a known length no batch past it is fetched, unless some rank yields more (now.beyond).
                 last = self.length is not None and step + 1 >= self.length and not now.beyond
@@ -420,7 +432,7 @@ class JoinLoader:
         now = self._now
         self._sizes = (self.microbatch_size(), self._sizes[1])
         batch, status, error = self._fetch(batches, step)
-        if step < planned or self.source.planned_locally():
+        if step < planned or (self.layout.tp == 1 and self.source.planned_locally()):
             if status.has_batch:  # sent with the next agreement (-1 once some batch could not be counted)
                 uncountable = min(now.unreported, status.samples) < 0
                 now.unreported = -1 if uncountable else now.unreported + status.samples
@@ -483,8 +495,9 @@ class JoinLoader:
             return
         self._warned = True
         counts = self.report.real_batches
-        over = [(r, n, own) for r, (n, own) in enumerate(zip(counts, per_rank)) if own is not None and n > own]
-        ranks = '; '.join(f'rank {r} yielded {n} batches, its len() is {own}' for r, n, own in over)
+        per_member = self.layout.leaders(per_rank)
+        over = [(m, n, own) for m, (n, own) in enumerate(zip(counts, per_member)) if own is not None and n > own]
+        ranks = '; '.join(f'{self.layout.name(m)} yielded {n} batches, its len() is {own}' for m, n, own in over)
         steps = self._now.steps
         warnings.warn(
             f'UnevenJoin: the {self.label} dataloader yields more batches than its len() says in epoch {self.epoch} '
@@ -541,7 +554,8 @@ class JoinLoader:
             self.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
         samples, microbatches = self.describe(batch)
         overflow = self.check_overflow and self.length is not None and step == self.length - 1 and self._peek(batches)
-        return RankStatus(True, samples, microbatches, overflow=overflow, structure=fingerprint(batch))
+        content = content_crc(batch) if self.layout.tp > 1 else 0
+        return RankStatus(True, samples, microbatches, overflow=overflow, structure=fingerprint(batch), content=content)
 
     def _peek(self, batches: Iterator[Any]) -> bool:
         """Whether ``batches`` yields another batch; it is kept for the next fetch (none is lost)."""
@@ -567,6 +581,7 @@ class JoinLoader:
         short = [r for r, s in enumerate(plan.statuses) if s.short]
         if short:
             raise self._short_error(short, plan.step)
+        self.layout.check_rows(plan.statuses, plan.step, self.epoch, self.label)
         if plan.structures_differ:
             mine = describe_structure(batch if batch is not None else self.template)
             structures = dist.all_gather_object(mine)  # only on this error path, on every rank
@@ -578,7 +593,7 @@ class JoinLoader:
                 f'yield one structure at every step.',
             )
         if self.throw_on_early_termination and plan.active_ranks and plan.joined_ranks:
-            counts = ', '.join(f'rank {r}: {n}' for r, n in enumerate(self.report.real_batches))
+            counts = ', '.join(f'{self.layout.name(m)}: {n}' for m, n in enumerate(self.report.real_batches))
             raise UnevenInputsError(
                 f'rank(s) {plan.joined_ranks} ran out of data at step {plan.step} of epoch {self.epoch} '
                 f'while rank(s) {plan.active_ranks} still have batches (batches so far: {counts}). '
@@ -613,6 +628,7 @@ def join_dataloader(
     length: Optional[int] = None,
     offset: int = 0,
     unsized: bool = False,
+    layout: Optional[Layout] = None,
 ) -> JoinLoader:
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
@@ -627,8 +643,14 @@ def join_dataloader(
     data that keeps one, for the chosen source. ``start`` and ``report``: :class:`JoinLoader`'s. ``dataloader``:
     this one instead of ``state.dataloader``, with Composer's cap ``length`` (default: its whole length), whose
     first batch is step ``offset`` of the epoch (the rest of an epoch resumed on another world size). ``unsized``: its length is not
-    known (the rest of an epoch a dataset resumed itself on another world size): every step agreed.
+    known (the rest of an epoch a dataset resumed itself on another world size): every step agreed. ``layout``: the
+    data-parallel members (:func:`~composer_join.core.layout.trainer_layout`; default every rank its own): under tensor
+    parallelism the ranks of a member must have the same length, and an :class:`~composer_join.ExactDistributedSampler`
+    left to its defaults shards over members (:func:`~composer_join.data.sampler.shard_by_layout`, for the length
+    agreement and each iteration; Composer's cap, read under the world's sharding, follows).
     """
+    layout = layout if layout is not None else Layout.flat(dist.get_world_size())
+    rank = dist.get_global_rank()
     current = None if state.dataloader_len is None else int(state.dataloader_len)
     if dataloader is not None:
         current = len_or_none(dataloader) if length is None else length
@@ -638,11 +660,18 @@ def join_dataloader(
         own = dataloader.source.own_length  # with mode='rebalance': the batches its shard contributed
         current = own if own is not None else current
         dataloader = dataloader.dataloader
-    own_len = None if unsized else len_or_none(dataloader)
+    with Changes() as changes:
+        before = len_or_none(dataloader)
+        shard_by_layout(dataloader, layout, rank, changes)
+        own_len = None if unsized else len_or_none(dataloader)
+    if current is not None and current == before:  # Composer's cap is the whole epoch: the resharded one
+        current = own_len
     current = None if unsized else current
     if rebalance and own_len is not None and current is not None:
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
     shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device, settings)
+    label = state.dataloader_label
+    check_lengths(layout, own_lens, label)
     if microbatch_size is None:
         size = lambda: state.device_train_microbatch_size  # noqa: E731 (read when used: auto microbatching)
     else:
@@ -659,9 +688,9 @@ def join_dataloader(
         rebalance,
         state.device.tensor_to_device,
         lambda batch: describe(batch)[0],
+        layout,
     )
     lengths = lengths.shifted(offset)
-    label = state.dataloader_label
     loader = JoinLoader(
         source,
         describe=describe,
@@ -669,12 +698,15 @@ def join_dataloader(
         throw_on_early_termination=throw,
         to_device=state.device.tensor_to_device,
         microbatch_size=size,
-        opened=lambda: _opened(spec, install),
+        opened=lambda: _opened(
+            spec, lambda changes: (shard_by_layout(dataloader, layout, rank, changes), install(changes))
+        ),
         label=label,
         positions=positions(source),
         start=start,
         earlier=cached,
         report=report,
+        layout=layout,
     )
     state.set_dataloader(loader, label, -1 if lengths.shared is None else lengths.shared)
     log.info(
@@ -692,23 +724,24 @@ def batch_source(
     rebalance: bool,
     to_device: Callable[[torch.Tensor], torch.Tensor],
     count: Callable[[Any], int],
+    layout: Optional[Layout] = None,
 ) -> tuple[BatchSource, Lengths]:
     """Where this rank's batches come from (the one place the kind is chosen), and the lengths the loader plans with.
 
     Not rebalancing: :class:`~composer_join.core.source.OwnBatches`. Rebalancing with every rank's ``len()``:
     :class:`~composer_join.rebalance.rebalance.RebalancingLoader`, whose lengths are each rank's assigned
     batches, own and received; with some rank's unknown: :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer`,
-    step by step (no length known ahead).
+    step by step (no length known ahead). A rebalancer plans over ``layout``'s data-parallel members.
     """
     per_rank = list(lengths.per_rank or [])
     source: BatchSource
     if not rebalance:
         return OwnBatches(dataloader), lengths
     if None in per_rank:
-        source, shared, overflow, assigned = rebalanced_without_len(dataloader, per_rank, to_device)
+        source, shared, overflow, assigned = rebalanced_without_len(dataloader, per_rank, to_device, layout)
     else:
         source, shared, overflow, assigned = rebalanced(
-            dataloader, cast(list[int], per_rank), lengths.shared, lengths.check_overflow, to_device, count
+            dataloader, cast(list[int], per_rank), lengths.shared, lengths.check_overflow, to_device, count, layout
         )
     return source, Lengths(shared, overflow, assigned)
 

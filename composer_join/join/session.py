@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 
 from composer_join.core import compat
 from composer_join.core.changes import Changes
+from composer_join.core.layout import trainer_layout
 from composer_join.core.plan import StepPlan
 from composer_join.core.report import EpochReport
 from composer_join.core.source import BatchSource
@@ -92,6 +93,7 @@ class Run:
         self.mode, self.divide, self.throw = mode, divide_by_initial_world_size, throw_on_early_termination
         self.settings_row, self.reports, self.resumed = settings_row, reports, resumed
         self.rank = dist.get_global_rank()
+        self.layout = trainer_layout(state)  # the data-parallel members: tensor-parallel groups join as one
         self.wrapper = wrapper_for(state, self.rank)
         self.wrapper.load_state_dict(resumed.wrapper if resumed is not None else {})
         self.loader: Optional[JoinLoader] = None  # the loader whose plan is current (train or eval)
@@ -124,7 +126,7 @@ class Run:
     def fit_start(self, state: State, logger: Logger) -> None:
         resumed, self.resumed = self.resumed, None
         rest = self._rest_of_epoch(state, resumed)  # this rank's share of an epoch resumed elastically
-        resized = check_world_size(resumed, state, elastic=rest is not None)  # else raises mid-epoch
+        resized = check_world_size(resumed, state, rest is not None, self.layout)  # else raises mid-epoch
         # the checkpoint of an epoch's last batch, on another world size: that epoch ends with no batch
         finished = resized and int(state.timestamp.batch_in_epoch) > 0 and rest is None
         if resized:
@@ -178,6 +180,7 @@ class Run:
             length=None if cap is None else int(cap),
             offset=int(state.timestamp.batch_in_epoch) if rest is not None and rest.indices is not None else 0,
             unsized=rest is not None and rest.indices is None,
+            layout=self.layout,
         )
 
     def _rest_of_epoch(self, state: State, resumed: Optional[Resumed]) -> Optional[Rest]:
@@ -188,6 +191,8 @@ class Run:
         dataset = compat.dataset_of(state, dataloader)
         if resumed is None or resumed.epoch_done or int(state.timestamp.batch_in_epoch) == 0:
             return None
+        if self.layout.tp > 1 or resumed.groups is not None:
+            return None  # tensor-parallel groups: the same layout only (Composer replays), else refused
         if left_to_composer(dataloader, dataset) and resumed.world_size not in (None, dist.get_world_size()):
             return Rest()  # Composer and the dataset resume its global sample space on any number of ranks
         if position_for(dataloader, dataset) is not None or keeps_state(dataset):
@@ -245,7 +250,8 @@ class Run:
             position = reused  # a second fit() on the same data: it knows what it loaded into it
         else:
             position = position_for(dataloader, dataset, replay=source.reads_ahead)
-            order = GlobalOrder.of(dataloader) if position is None and not keeps_state(dataset) else None
+            global_order = position is None and not keeps_state(dataset) and self.layout.tp == 1
+            order = GlobalOrder.of(dataloader) if global_order else None
             if order is not None:
                 position = GlobalOrderPosition(dataloader, dataloader, order)
         return None if position is None else RankPositions(state, position)
@@ -269,6 +275,7 @@ class Run:
             microbatch_size=(lambda: evaluator.device_eval_microbatch_size) if evaluator is not None else None,
             settings=self.settings_row,
             install=lambda changes: self.wrapper.install_eval(changes, state, self.plan),
+            layout=self.layout,
         )
         self.loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
         lift_cap(state, self.loader)  # Composer puts the train cap back after the evaluation
@@ -284,6 +291,7 @@ class Run:
             state,
             microbatch_size=-1,
             install=lambda changes: self.wrapper.install_eval(changes, state, self.plan),
+            layout=self.layout,
         )
         lift_cap(state, self.loader)
         self.wrapper.eval_start(state, self.plan)
@@ -397,10 +405,15 @@ class Run:
                 'wrapper': self.wrapper.state_dict(),
                 'ranks': resumed.ranks if resumed is not None else None,
                 'epoch_done': resumed.epoch_done if resumed is not None else False,
+                'groups': self._groups(),
             }
         return {
             'current': loader.report,
             'wrapper': self.wrapper.state_dict(),
             'ranks': self.positions.gather(loader.progress()) if self.positions is not None else None,
             'epoch_done': loader.epoch_done(),
+            'groups': self._groups(),
         }
+
+    def _groups(self) -> Any:
+        return self.layout.groups if self.layout.tp > 1 else None

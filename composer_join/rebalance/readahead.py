@@ -35,6 +35,10 @@ dataloader has ended) in step ``t``'s row. ``held < 2`` only once ``drained``.
    is False), and the next step is assigned from ``held - 1``, what every rank is known to hold.
    A read error on such a step is raised at the next agreed step, so no rank stops alone.
 
+Under tensor parallelism the rule runs over data-parallel members (:mod:`composer_join.core.layout`: a TP
+group's ranks hold the same batches and rows) and each member's cell is spread to its ranks: rank ``k`` of a
+dry group receives from rank ``k`` of the giving group.
+
 So every batch of every rank is trained exactly once, by one rank; a rank that trains a received
 batch counts in ``A_t`` like one that trains its own. Transfers are point to point (a
 :class:`~composer_join.rebalance.transfer.BatchChannel`, as the sized scheme's, whose first message also says
@@ -46,7 +50,7 @@ mid-epoch checkpoint, every rank replays the same rows and transfers, and the sa
 on the same ranks at the same steps (spun batches are discarded, none skipped, none repeated).
 
 Cost over the sized scheme: the agreement on every step but those of rule 7 (so every other step
-while all buffers are full; ``8 * 12 * W`` bytes, overlapped with the previous step's training),
+while all buffers are full; ``8 * 13 * W`` bytes, overlapped with the previous step's training),
 one all-reduce of ``2 * W`` integers at each epoch's start, and up to two batches of read-ahead
 per rank.
 """
@@ -63,6 +67,7 @@ from composer.utils import dist
 
 from composer_join.core.batches import map_tensors
 from composer_join.core.errors import UnevenInputsError
+from composer_join.core.layout import Layout
 from composer_join.core.plan import StepPlan
 from composer_join.core.source import IDLE, Opener
 from composer_join.rebalance.rebalance import Rebalancer
@@ -75,19 +80,27 @@ READ_AHEAD = 2
 """Batches a rank holds in its read-ahead buffer at most, beyond the one it trains next."""
 
 
-def assign(rows: Sequence[tuple[int, bool]], transfers: bool = True) -> Optional[list[Optional[int]]]:
+def assign(
+    rows: Sequence[tuple[int, bool]], transfers: bool = True, layout: Optional[Layout] = None
+) -> Optional[list[Optional[int]]]:
     """Who trains whose batch at the next step, from every rank's ``(held, drained)`` of this step.
 
     Returns, per rank, the rank whose batch it trains (itself: its own; another: received from
     it; ``None``: it idles), or ``None`` if the epoch is over (no rank holds a batch). The rule is
     in the module docstring. ``transfers=False``: no rank receives (after an unsendable batch).
+    ``layout``: the rule over its members (their first rank's row), each member's cell spread to its ranks.
 
     Example:
         >>> assign([(2, False), (0, True), (0, True)])  # rank 0 gives one from its buffer, one fresh
         [0, 0, 0]
         >>> assign([(1, True), (0, True)]), assign([(0, True), (0, True)])
         ([0, None], None)
+        >>> assign([(2, False), (2, False), (0, True), (0, True)], layout=Layout(((0, 1), (2, 3))))
+        [0, 1, 0, 1]
     """
+    if layout is not None and layout.tp > 1:
+        cells = assign(layout.leaders(rows), transfers)
+        return None if cells is None else layout.on_ranks(cells, layout.counterpart)
     world = len(rows)
     if all(held == 0 for held, _ in rows):
         return None
@@ -135,6 +148,7 @@ class ReadAheadRebalancer(Rebalancer):
         dataloader: this rank's own dataloader (with or without ``len()``).
         world_counts: every rank's ``len()`` (``None`` where unknown); kept for the report only.
         to_device: where transferred tensors go (the trainer's device).
+        layout: the data-parallel members (default: every rank its own); the rule runs over them.
 
     Attributes:
         peak_held: the most batches this rank's read-ahead buffer held in this fit (at most :data:`READ_AHEAD`).
@@ -148,8 +162,10 @@ class ReadAheadRebalancer(Rebalancer):
         dataloader: Iterable,
         world_counts: Sequence[Optional[int]],
         to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        layout: Optional[Layout] = None,
     ):
-        super().__init__(dataloader, world_counts, to_device)  # type: ignore[arg-type]  # None: a rank without len()
+        # None in world_counts: a rank without len()
+        super().__init__(dataloader, world_counts, to_device, layout=layout)  # type: ignore[arg-type]
         self.world = dist.get_world_size()
         self.transfers = True  # False once some rank reported an unsendable batch (for the rest of the fit)
         self.peak_held = self.peak_held_bytes = 0
@@ -235,7 +251,7 @@ class ReadAheadRebalancer(Rebalancer):
             self.agreed = True
             if self._rows is None:  # the JoinLoader did not observe the last step: it stopped
                 return
-            cells = assign(self._rows, self.transfers)
+            cells = assign(self._rows, self.transfers, self.layout)
             self.agreed = agreement_needed(self._rows)
             self._cells, self._bounds, self._rows = cells, [(held - 1, d) for held, d in self._rows], None
             self.assignments.append(cells)
@@ -370,10 +386,11 @@ def rebalanced_without_len(
     dataloader: Iterable,
     counts: list[Optional[int]],
     to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    layout: Optional[Layout] = None,
 ) -> tuple[ReadAheadRebalancer, None, bool, None]:
     """``(dataloader, shared length, check_overflow, lengths)`` for the JoinLoader when some rank has no ``len()``.
 
     The shared length and the lengths are unknown (``None``): every step is agreed, and the
     epoch ends when the rows say every rank and read-ahead buffer is empty.
     """
-    return ReadAheadRebalancer(dataloader, counts, to_device), None, False, None
+    return ReadAheadRebalancer(dataloader, counts, to_device, layout), None, False, None

@@ -16,7 +16,10 @@ count ``n_r`` (their ``len()``, exchanged once per fit), with no further communi
        one: the donor's next own batch (``R_donor -= 1``); if no rank has one left, it shadows.
 
 Each step trains ``min(W, batches remaining)`` batches, so an epoch lasts ``ceil(sum n_r / W)``
-steps, and only its last step can have shadowing ranks. A donor reads its own batches in order:
+steps, and only its last step can have shadowing ranks. Under tensor parallelism the rules run over
+data-parallel members (a TP group's ranks hold the same batches, :mod:`composer_join.core.layout`), and each
+member's cell is spread to its ranks: rank ``k`` of a receiving group receives from rank ``k`` of the giving
+group, so a group is never split, by construction. A donor reads its own batches in order:
 first the one it trains, then those it gives, to the receivers in increasing rank order.
 
 Transfers happen inside ``next()``, which the JoinLoader calls once per step on every rank that
@@ -51,6 +54,7 @@ import torch
 from composer.utils import dist
 
 from composer_join.core.errors import UnevenInputsError
+from composer_join.core.layout import Layout
 from composer_join.core.plan import len_or_none
 from composer_join.core.report import EpochReport
 from composer_join.core.source import BatchSource, Failed, Opener
@@ -61,16 +65,22 @@ __all__ = ['Rebalancer', 'RebalancingLoader', 'rebalanced', 'schedule']
 Cell = Optional[tuple[int, int]]  # (owner rank, index of the batch in the owner's shard), or None: shadow
 
 
-def schedule(counts: list[int]) -> list[list[Cell]]:
+def schedule(counts: list[int], layout: Optional[Layout] = None) -> list[list[Cell]]:
     """Who trains which batch at every step of an epoch (the rules in the module docstring).
 
     Returns, per step, per rank, ``(owner, index)`` of the batch that rank trains, or ``None``
-    if it shadows. Cost: ``O(steps * W^2)``, once per fit.
+    if it shadows. ``layout``: the rules over its members, each member's cell spread to its ranks
+    (``counts`` per rank, the same within a member). Cost: ``O(steps * W^2)``, once per fit.
 
     Example:
         >>> schedule([3, 0])
         [[(0, 0), (0, 1)], [(0, 2), None]]
+        >>> schedule([3, 3, 0, 0], Layout(((0, 1), (2, 3))))[0]  # TP 2: rank 2 receives from 0, rank 3 from 1
+        [(0, 0), (1, 0), (0, 1), (1, 1)]
     """
+    if layout is not None and layout.tp > 1:
+        rows = schedule(layout.leaders(counts))
+        return [layout.on_ranks(row, lambda c, r: (layout.counterpart(c[0], r), c[1])) for row in rows]
     world = len(counts)
     taken = [0] * world  # batches of each rank's shard handed out so far
     steps = []
@@ -106,6 +116,8 @@ class Rebalancer(BatchSource):
             has no ``len()``, with :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer` only).
         to_device: where transferred tensors go (the trainer's device).
         count: a batch's samples, as Composer counts them (-1: uncountable).
+        layout: the data-parallel members (default: every rank its own): the batches a rank trains are its
+            member's, and the report counts members.
     """
 
     ends_with_own_data = False  # the schedule (or the rule) decides when this rank's batches end
@@ -116,9 +128,11 @@ class Rebalancer(BatchSource):
         counts: Sequence[int],
         to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         count: Callable[[Any], int] = lambda batch: 0,
+        layout: Optional[Layout] = None,
     ):
         super().__init__(dataloader)
         self.counts = list(counts)
+        self.layout = layout if layout is not None else Layout.flat(len(self.counts))
         self.rank = dist.get_global_rank()
         self.to_device = to_device
         self.count = count
@@ -154,19 +168,21 @@ class Rebalancer(BatchSource):
     def complete(self, report: EpochReport) -> None:
         """Fill the rebalancing fields of this epoch's ``report``, the same on every rank.
 
-        Called on every rank at ``EPOCH_END``: one all-reduce of ``W`` integers (the bytes each rank sent).
+        Called on every rank at ``EPOCH_END``: one all-reduce of ``W`` integers (the bytes each rank sent). Counts
+        are per member (its first rank's); bytes, the sum over its ranks (each sends to its counterpart).
         """
         sent = torch.zeros(len(self.counts), dtype=torch.int64)
         sent[self.rank] = self.bytes_sent
         sent = self.to_device(sent)
         dist.all_reduce(sent, reduce_operation='SUM')
-        counts = self.counts_per_rank()
+        counts = {k: self.layout.leaders(v) for k, v in self.counts_per_rank().items()}
         report.own_batches, report.received_batches, report.given_batches = (
             counts['own_batches'],
             counts['received_batches'],
             counts['given_batches'],
         )
-        report.bytes_sent = [int(v) for v in sent.cpu().tolist()]
+        per_rank = [int(v) for v in sent.cpu().tolist()]
+        report.bytes_sent = [sum(per_rank[r] for r in group) for group in self.layout.groups]
 
 
 class RebalancingLoader(Rebalancer):
@@ -190,9 +206,10 @@ class RebalancingLoader(Rebalancer):
         own_len: Optional[int] = None,
         to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         count: Callable[[Any], int] = lambda batch: 0,
+        layout: Optional[Layout] = None,
     ):
-        super().__init__(dataloader, counts, to_device, count)
-        self.steps = schedule(self.counts)
+        super().__init__(dataloader, counts, to_device, count, layout)
+        self.steps = schedule(self.counts, self.layout)
         self.check_overflow = own_len == self.counts[self.rank]
         self.assigned = [sum(1 for row in self.steps if row[r] is not None) for r in range(len(self.counts))]
         """Every rank's batches per epoch under the schedule, own and received."""
@@ -340,6 +357,7 @@ def rebalanced(
     check_overflow: bool,
     to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     count: Callable[[Any], int] = lambda batch: 0,
+    layout: Optional[Layout] = None,
 ) -> tuple[RebalancingLoader, Optional[int], bool, list[Optional[int]]]:
     """``(dataloader, shared length, check_overflow, every rank's length)`` for the JoinLoader, rebalanced.
 
@@ -352,5 +370,5 @@ def rebalanced(
     shortest one's last batch without agreeing. ``shared`` and ``check_overflow`` (the length
     agreement's) are replaced by these.
     """
-    loader = RebalancingLoader(dataloader, counts, len_or_none(dataloader), to_device, count)
+    loader = RebalancingLoader(dataloader, counts, len_or_none(dataloader), to_device, count, layout)
     return loader, loader.length, False, loader.assigned  # type: ignore[return-value]

@@ -278,3 +278,27 @@ def test_stock_hangs_with_microbatching():
     for name, per_rank in results.items():
         assert all(isinstance(r, dict) and r['timed_out'] for r in per_rank), (name, per_rank)
         assert all(r['steps_completed'] == 1 for r in per_rank), (name, per_rank)  # step 1 (the second) hangs
+
+
+@pytest.mark.parametrize(('batch', 'epoch_done', 'refused'), [(3, False, True), (0, False, False), (3, True, False)])
+def test_a_tensor_parallel_checkpoint_resumes_mid_epoch_only_on_its_layout(batch, epoch_done, refused):
+    """A checkpoint of 4 ranks in TP groups of 2, resumed here (one process, no TP): refused mid-epoch with the
+    layouts named; an epoch boundary (batch 0, or the epoch's last batch) resumes as on another world size."""
+    from types import SimpleNamespace
+
+    from composer.core import Time, Timestamp
+
+    from composer_join.core.errors import UnevenInputsError
+    from composer_join.data.resume import Resumed, check_world_size
+
+    saved = Resumed([], None, {}, None, 4, epoch_done, groups=((0, 1), (2, 3)))
+    state = SimpleNamespace(timestamp=Timestamp(epoch=Time(1, 'ep'), batch_in_epoch=Time(batch, 'ba')))
+    if not refused:
+        assert check_world_size(saved, state, elastic=True, layout=Layout.flat(1)) is True
+        return
+    with pytest.raises(UnevenInputsError) as error:
+        check_world_size(saved, state, elastic=True, layout=Layout.flat(1))
+    message = str(error.value)
+    assert 'saved by 4 ranks in 2 tensor-parallel groups of 2 in the middle of epoch 1 (after batch 3' in message
+    assert 'this run has 1 ranks' in message
+    assert 'a layout with tensor-parallel groups resumes mid-epoch only on the same layout' in message

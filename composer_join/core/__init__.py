@@ -3,6 +3,8 @@
 * :mod:`~composer_join.core.plan`: the per-step agreement (:class:`~composer_join.core.plan.StepPlan`): which
   ranks have data, their sample and microbatch counts, failures; one small all-reduce, or none when the
   ranks' lengths already say it;
+* :mod:`~composer_join.core.layout`: :class:`~composer_join.core.layout.Layout`, which ranks are one data-parallel
+  member (a tensor-parallel group joins as one), and the check that a member's ranks hold the same batch;
 * :mod:`~composer_join.core.report`: :class:`~composer_join.EpochReport`, what each rank trained and shadowed;
 * :mod:`~composer_join.core.settings`: UnevenJoin's settings, compared across ranks in the first agreement;
 * :mod:`~composer_join.core.batches`: batch trees: mapping over their tensors, taking their first samples;

@@ -279,10 +279,11 @@ def check_world_size(
     saved = _ranks(resumed.world_size, resumed.groups)
     now = _ranks(world, groups)
     epoch, batch = int(state.timestamp.epoch), int(state.timestamp.batch_in_epoch)
-    if batch > 0 and not resumed.epoch_done and not elastic:
+    tensor_parallel = groups is not None or resumed.groups is not None
+    if batch > 0 and not resumed.epoch_done and (tensor_parallel or not elastic):
         why = (
             'a layout with tensor-parallel groups resumes mid-epoch only on the same layout'
-            if groups is not None or resumed.groups is not None
+            if tensor_parallel
             else 'this train data cannot name them in one global index space (a DistributedSampler or '
             'ExactDistributedSampler in a plain DataLoader, with no position of its own, can)'
         )

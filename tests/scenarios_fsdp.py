@@ -15,6 +15,7 @@ only here (they are facts about torch and Composer on CPU, not about composer_jo
 from __future__ import annotations
 
 import resource
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -191,8 +192,9 @@ def train_resumed(cfg: dict, folder: str, batch: int) -> dict[str, Any]:
     return result
 
 
-def train_until_timeout(cfg: dict) -> dict[str, Any]:
-    """``train(cfg)`` where a hang is expected: reports the collective timeout that ends it and the steps run before."""
+def train_until_timeout(cfg: dict, train: Callable[..., Any] = train) -> dict[str, Any]:
+    """``train(cfg, recorder)`` where a hang is expected: reports the collective timeout that ends it and the steps
+    run before (``train``: this module's, or another scenario module's with the same signature)."""
     recorder = Recorder()
     try:
         train(cfg, recorder)

@@ -178,10 +178,5 @@ def train_resumed(cfg: dict, folder: str, batch: int) -> dict[str, Any]:
 
 
 def train_until_timeout(cfg: dict) -> dict[str, Any]:
-    """``train(cfg)`` where a hang is expected: the collective timeout that ends it and the steps run before."""
-    recorder = Recorder()
-    try:
-        train(cfg, recorder)
-    except RuntimeError as e:
-        return {'timed_out': True, 'steps_completed': len(recorder.shadow), 'error': f'{type(e).__name__}: {e}'[:500]}
-    return {'timed_out': False, 'steps_completed': len(recorder.shadow), 'error': None}
+    """``train(cfg)`` where a hang is expected (:func:`scenarios_fsdp.train_until_timeout`)."""
+    return scenarios_fsdp.train_until_timeout(cfg, train)

@@ -41,7 +41,7 @@ class Changes:
     """
 
     def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], object]] = []
 
     def __len__(self) -> int:
         return len(self._undo)
@@ -72,7 +72,7 @@ class Changes:
         items.remove(item)
         self._undo.append(lambda: items.insert(min(index, len(items)), item) if item not in items else None)
 
-    def call(self, undo: Callable[[], None]) -> None:
+    def call(self, undo: Callable[[], object]) -> None:
         """Any other change: ``undo()`` takes it back."""
         self._undo.append(undo)
 

@@ -691,6 +691,11 @@ def join_dataloader(
         layout,
     )
     lengths = lengths.shifted(offset)
+
+    def opening(changes: Changes) -> None:
+        shard_by_layout(dataloader, layout, rank, changes)
+        install(changes)
+
     loader = JoinLoader(
         source,
         describe=describe,
@@ -698,9 +703,7 @@ def join_dataloader(
         throw_on_early_termination=throw,
         to_device=state.device.tensor_to_device,
         microbatch_size=size,
-        opened=lambda: _opened(
-            spec, lambda changes: (shard_by_layout(dataloader, layout, rank, changes), install(changes))
-        ),
+        opened=lambda: _opened(spec, opening),
         label=label,
         positions=positions(source),
         start=start,

@@ -99,8 +99,8 @@ def assign(
         [0, 1, 0, 1]
     """
     if layout is not None and layout.tp > 1:
-        cells = assign(layout.leaders(rows), transfers)
-        return None if cells is None else layout.on_ranks(cells, layout.counterpart)
+        per_member = assign(layout.leaders(rows), transfers)
+        return None if per_member is None else layout.on_ranks(per_member, layout.counterpart)
     world = len(rows)
     if all(held == 0 for held, _ in rows):
         return None

@@ -48,11 +48,14 @@ EVERY = [
     'test_metrics.py',
     'test_rank_differences.py',
     'test_rebalance_unsized.py',
+    'test_layouts.py',
 ]
 NOT_ON_SHARED = {
     'test_fsdp.py': 'FSDP needs reduce-scatter and all-gather on CUDA tensors, which gloo lacks (needs 2+ GPUs, NCCL)',
+    'test_layouts.py': 'hybrid sharding and TP need NCCL (FSDP on CUDA tensors) and 4 GPUs',
     'test_failing_rank.py': "Composer's launcher gives each rank cuda:<local rank> (needs one GPU per rank)",
 }
+NEEDS_GPUS = {'test_layouts.py': 4}  # test files whose launches have more ranks than 2, one GPU per rank
 NOT_ON_SHARED_K = {  # test files that run on a shared GPU without some of their scenarios
     'test_auto_microbatching.py': ('not fsdp', 'its FSDP scenarios need NCCL'),
 }
@@ -84,7 +87,8 @@ def plan(gpus: int, present: list[str] | None = None) -> Plan:
     if gpus == 0:
         return Plan(0, 'none', left_out={'everything': devices.too_few_gpus(1, 'make test-gpu', found=0)})
     if gpus >= 2:
-        return Plan(gpus, 'nccl', {devices.ENV: 'gpu'}, files)
+        fewer = {f: devices.too_few_gpus(NEEDS_GPUS[f], f, found=gpus) for f in files if NEEDS_GPUS.get(f, 2) > gpus}
+        return Plan(gpus, 'nccl', {devices.ENV: 'gpu'}, [f for f in files if f not in fewer], left_out=fewer)
     keep = [f for f in files if f not in NOT_ON_SHARED]
     left = {f: NOT_ON_SHARED[f] for f in files if f in NOT_ON_SHARED}
     parts = [NOT_ON_SHARED_K[f] for f in keep if f in NOT_ON_SHARED_K]

@@ -62,9 +62,13 @@ PRESENT = gpu_suite.EVERY + ['test_config.py']
 
 
 def test_two_or_more_gpus_run_every_distributed_test_file_over_nccl():
-    p = gpu_suite.plan(2, PRESENT)
+    p = gpu_suite.plan(4, PRESENT)
     assert p.mode == 'nccl' and p.env == {devices.ENV: 'gpu'} and not p.deselect and not p.left_out
     assert p.files == gpu_suite.EVERY  # rebalancing, resumption, bad input, random, HF, failing ranks included
+    two = gpu_suite.plan(2, PRESENT)  # the 4-rank layouts (HSDP, TP) need a GPU per rank
+    assert two.files == [f for f in gpu_suite.EVERY if f != 'test_layouts.py'] and list(two.left_out) == [
+        'test_layouts.py'
+    ]
     for needed in (
         'test_rebalance.py',
         'test_resumption.py',

@@ -232,7 +232,7 @@ def test_shard_length_rejects_bad_rank():
 def test_module_exports():
     import composer_join.data.sampler as mod
 
-    assert mod.__all__ == ['ExactDistributedSampler']
+    assert mod.__all__ == ['ExactDistributedSampler', 'shard_by_layout']
     assert issubclass(ExactDistributedSampler, DistributedSampler)
 
 

@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, TypeVar
 
 from composer.utils import ParallelismType, dist
@@ -57,6 +57,7 @@ class Layout:
     """
 
     groups: tuple[tuple[int, ...], ...]
+    _member: dict[int, int] = field(init=False, repr=False, compare=False)  # rank -> member, from ``groups``
 
     def __post_init__(self) -> None:
         ranks = sorted(r for g in self.groups for r in g)
@@ -85,7 +86,7 @@ class Layout:
 
     def member(self, rank: int) -> int:
         """The data-parallel rank of global rank ``rank``."""
-        return self._member[rank]  # type: ignore[attr-defined]  # set in __post_init__
+        return self._member[rank]
 
     def counterpart(self, member: int, rank: int) -> int:
         """The rank of member ``member`` in the same TP position as global rank ``rank``."""

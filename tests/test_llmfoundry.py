@@ -8,6 +8,12 @@
 of the suite to keep it fast: tests/test_huggingface.py shows stock Composer's shortfall.) Each rank saves what it trained and
 evaluated (``run_record`` in ``examples/llmfoundry/uneven_shards.py``); the test compares that with
 one process evaluating all the eval data with the same weights.
+
+``examples/llmfoundry/uneven_mpt_tp.yaml`` trains the same shards on 4 ranks with llm-foundry's tensor parallelism
+(``tp_config: {strategy: ffn, tensor_parallel_degree: 2}``) beside FSDP1, one epoch: two data-parallel members of two
+ranks each, every rank of a member reading its shard (docs/parallel-layouts.md). Checked: each rank trained its
+member's every sequence once, in order; the 4 ranks end with the same weights; the evaluation covers every eval
+sequence once per member and equals one process evaluating all of them with the final weights.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ def run(args: list[str], timeout: float) -> None:
 
 
 @pytest.fixture(scope='module')
-def records(tmp_path_factory) -> dict:
+def data(tmp_path_factory) -> Path:
     data = tmp_path_factory.mktemp('uneven-mpt')
     run(
         [
@@ -55,23 +61,27 @@ def records(tmp_path_factory) -> dict:
         ],
         timeout=120,
     )
-    run(
-        [
-            str(COMPOSER),
-            '-n',
-            '2',
-            '--master_port',
-            str(free_port()),
-            str(EXAMPLE / 'train.py'),
-            str(EXAMPLE / 'uneven_mpt.yaml'),
-            f'variables.data_dir={data}',
-            f'loggers.run_record.out={data / "join"}',
-        ],
-        timeout=240,
-    )
-    out = {'join': [torch.load(data / 'join' / f'rank{r}.pt', weights_only=False) for r in range(2)]}
+    return data
+
+
+def train(data: Path, script: Path, config: str, ranks: int, out: str, *overrides: str) -> list[dict]:
+    """Composer's launcher running llm-foundry's ``train_from_yaml`` on ``ranks`` ranks; each rank's record."""
+    args = [str(COMPOSER), '-n', str(ranks), '--master_port', str(free_port()), str(script), str(EXAMPLE / config)]
+    run([*args, f'variables.data_dir={data}', f'loggers.run_record.out={data / out}', *overrides], timeout=300)
+    return [torch.load(data / out / f'rank{r}.pt', weights_only=False) for r in range(ranks)]
+
+
+@pytest.fixture(scope='module')
+def records(data) -> dict:
+    out = {'join': train(data, EXAMPLE / 'train.py', 'uneven_mpt.yaml', 2, 'join')}
     out['eval_ids'] = torch.cat([torch.from_numpy(np.load(data / 'data' / 'eval' / f'rank{r}.npy')) for r in range(2)])
     return out
+
+
+@pytest.fixture(scope='module')
+def tp_records(data) -> list[dict]:
+    script = ROOT / 'tests' / 'train_llmfoundry_cpu.py'  # FSDP1 on CPU: the test-only workaround
+    return train(data, script, 'uneven_mpt_tp.yaml', 4, 'join_tp', 'max_duration=1ep')
 
 
 def final_model(record: dict) -> torch.nn.Module:
@@ -113,3 +123,23 @@ def test_every_evaluation_equals_one_process_evaluating_all_eval_data(records):
             logged = record['evals'][i]['metrics']['metrics/eval/LanguageCrossEntropy']
             expected = one_process_eval_loss(record, record['evals'][i]['params'], ids)
             assert logged == pytest.approx(expected, abs=1e-5), f'rank {rank}, evaluation {i}'
+
+
+def test_tensor_parallel_members_train_their_shards_and_replicas_stay_identical(data, tp_records):
+    for rank, record in enumerate(tp_records):  # TP groups (0, 1) and (2, 3): members 0 and 1
+        shard = torch.from_numpy(np.load(data / 'data' / 'train' / f'rank{rank // 2}.npy'))
+        trained = torch.cat(record['trained'])
+        assert torch.equal(trained, shard), f"rank {rank} did not train its member's shard once, in order"
+        assert len(record['trained']) == 5  # the longer member's batches of 8; the shorter shadows its last 2
+    for rank, record in enumerate(tp_records[1:], start=1):
+        for key, value in tp_records[0]['state_dict'].items():
+            assert torch.equal(value, record['state_dict'][key]), f'{key} differs between ranks 0 and {rank}'
+
+
+def test_tensor_parallel_evaluation_equals_one_process_evaluating_all_eval_data(records, tp_records):
+    assert [r['evals'][-1]['tokens'] for r in tp_records] == [e * (LENGTH - 1) for e in EVAL for _ in range(2)]
+    final = torch.cat([p.detach().flatten() for p in final_model(tp_records[0]).parameters()])
+    expected = one_process_eval_loss(tp_records[0], final, records['eval_ids'])
+    for rank, record in enumerate(tp_records):  # one evaluation, after the only epoch: with the final weights
+        logged = record['evals'][-1]['metrics']['metrics/eval/LanguageCrossEntropy']
+        assert logged == pytest.approx(expected, abs=1e-5), f'rank {rank}'

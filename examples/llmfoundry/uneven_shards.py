@@ -5,11 +5,14 @@
   length, and streams it in order in batches of ``device_batch_size``. Shards may differ in length
   and may be empty; with ``algorithms: {uneven_join: {}}`` every rank trains and evaluates every
   sequence of its shard. llm-foundry's own ``text`` loader (``StreamingDataset``) splits one
-  dataset evenly across ranks, so it never has uneven shards.
+  dataset evenly across ranks, so it never has uneven shards. Under tensor parallelism
+  (``tensor_parallel_degree: T``, as in ``uneven_mpt_tp.yaml``) the shards are per data-parallel
+  rank: rank ``R`` reads ``rank<R // T>.npy``, so both ranks of a TP group read the same batches
+  (Composer 0.32.1's mesh puts the TP dimension innermost).
 * ``run_record`` (``llmfoundry.registry.loggers``): writes, per rank, what the run did to
   ``<out>/rank<R>.pt`` at the end of ``fit``: samples and batches trained, the final weights and
-  model config, and per evaluation the weights it used, the metrics logged and the tokens this
-  rank evaluated. ``tests/test_llmfoundry.py`` checks these against one process.
+  model config, the token ids of every batch it trained, and per evaluation the weights it used,
+  the metrics logged and the tokens this rank evaluated. ``tests/test_llmfoundry.py`` checks these against one process.
 
 Example (YAML)::
 
@@ -63,13 +66,18 @@ def uneven_shards(
     pin_memory: bool = False,
     persistent_workers: bool = False,
     timeout: float = 0,
+    tensor_parallel_degree: int = 1,
 ) -> DataSpec:
-    """This rank's own shard, ``<path>/rank<global rank>.npy``, as llm-foundry's dataloader builders return it."""
-    file = Path(path) / f'rank{dist.get_global_rank()}.npy'
+    """This rank's own shard, ``<path>/rank<data-parallel rank>.npy``, as llm-foundry's dataloader builders return it.
+
+    The data-parallel rank is the global rank divided by ``tensor_parallel_degree`` (the module docstring).
+    """
+    member = dist.get_global_rank() // int(tensor_parallel_degree)
+    file = Path(path) / f'rank{member}.npy'
     if not file.exists():
         raise FileNotFoundError(
-            f'uneven_shards: rank {dist.get_global_rank()} has no shard {file} '
-            f'(run examples/llmfoundry/prepare.py with one count per rank)'
+            f'uneven_shards: rank {dist.get_global_rank()} (data-parallel rank {member}) has no shard {file} '
+            f'(run examples/llmfoundry/prepare.py with one count per data-parallel rank)'
         )
     loader = DataLoader(
         RankShard(file),
@@ -88,6 +96,12 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A whole tensor: a tensor-parallel ``DTensor`` gathered (on every rank alike), else a copy."""
+    full = getattr(t, 'full_tensor', None)
+    return (full() if callable(full) else t).detach().clone()
+
+
 def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for p in model.parameters()])
 
@@ -98,10 +112,14 @@ class RunRecord(LoggerDestination):
     def __init__(self, out: str):
         self.out = Path(out)
         self.evals: list[dict[str, Any]] = []
+        self.trained: list[torch.Tensor] = []
 
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         if self.evals:
             self.evals[-1]['metrics'].update({k: float(v) for k, v in metrics.items() if k.startswith('metrics/eval/')})
+
+    def after_train_batch(self, state: State, logger: Logger) -> None:
+        self.trained.append(state.batch['input_ids'].detach().cpu().clone())  # zero rows on a shadow step
 
     def eval_start(self, state: State, logger: Logger) -> None:
         self.evals.append({'params': _flat(state.model), 'metrics': {}})
@@ -117,7 +135,8 @@ class RunRecord(LoggerDestination):
             {
                 'samples': int(state.timestamp.sample),
                 'batches': int(state.timestamp.batch),
-                'state_dict': {k: v.detach().clone() for k, v in model.state_dict().items()},
+                'state_dict': {k: _full(v) for k, v in model.state_dict().items()},
+                'trained': self.trained,
                 'config': model.config.to_dict(),
                 'evals': self.evals,
             },

@@ -71,6 +71,11 @@ class Layout:
         return cls(tuple((r,) for r in range(world_size)))
 
     @property
+    def tp_groups(self) -> Optional[tuple[tuple[int, ...], ...]]:
+        """The groups where there is tensor parallelism, else None: what a checkpoint records and compares."""
+        return self.groups if self.tp > 1 else None
+
+    @property
     def world_size(self) -> int:
         return self.members * self.tp
 

@@ -273,7 +273,7 @@ def check_world_size(
     and under tensor parallelism a mid-epoch checkpoint resumes only on the same layout.
     """
     world = dist.get_world_size()
-    groups = layout.groups if layout is not None and layout.tp > 1 else None
+    groups = layout.tp_groups if layout is not None else None
     if resumed is None or resumed.world_size is None or (resumed.world_size, resumed.groups) == (world, groups):
         return False
     saved = _ranks(resumed.world_size, resumed.groups)

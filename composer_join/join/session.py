@@ -405,15 +405,12 @@ class Run:
                 'wrapper': self.wrapper.state_dict(),
                 'ranks': resumed.ranks if resumed is not None else None,
                 'epoch_done': resumed.epoch_done if resumed is not None else False,
-                'groups': self._groups(),
+                'groups': self.layout.tp_groups,
             }
         return {
             'current': loader.report,
             'wrapper': self.wrapper.state_dict(),
             'ranks': self.positions.gather(loader.progress()) if self.positions is not None else None,
             'epoch_done': loader.epoch_done(),
-            'groups': self._groups(),
+            'groups': self.layout.tp_groups,
         }
-
-    def _groups(self) -> Any:
-        return self.layout.groups if self.layout.tp > 1 else None

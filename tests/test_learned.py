@@ -29,13 +29,17 @@ SEQUENCES = {
     # two fits on differently shaped train loaders (the short rank with a little data, then none), predict() between
     'fits': ['fit A', 'predict P', 'fit B', 'eval X', 'fit B0'],
 }
-SCENARIOS = {f'{name}@short{short}': dict(calls=calls, short=short) for name, calls in SEQUENCES.items() for short in (0, 1)}
+SCENARIOS = {
+    f'{name}@short{short}': dict(calls=calls, short=short) for name, calls in SEQUENCES.items() for short in (0, 1)
+}
 TOL = 1e-6
 
 
 @pytest.fixture(scope='module')
 def runs() -> dict:
-    return launch(2, [(name, 'scenarios_learned:sequence', {'cfg': cfg}) for name, cfg in SCENARIOS.items()], timeout=300)
+    return launch(
+        2, [(name, 'scenarios_learned:sequence', {'cfg': cfg}) for name, cfg in SCENARIOS.items()], timeout=300
+    )
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:

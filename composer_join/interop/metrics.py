@@ -31,8 +31,11 @@ Zero rows add nothing to a concatenation, so the metric equals one process compu
 the data. The empty elements' shapes come from the metric itself: when a rank runs a shadow
 microbatch (the two-sample template), :meth:`MetricStates.probe` updates a fresh copy of each
 list-state metric with it, the way Composer would update the real one (which stays out of shadow
-microbatches); the copy's states, cut to zero rows, are the empties. This happens once per metric
-and dataloader label, and costs no collective.
+microbatches); the copy's states, cut to zero rows, are the empties. Their shapes are the dataloader's
+(a sequence length; a key one dataloader's batches have and another's have not), so one
+:class:`MetricStates` is kept per dataloader, with what else the join's loader learns from it
+(``composer_join.join.loader.Learned``), never per label: two evaluations labelled ``'eval'`` may read
+batches of different shapes. Learning happens once per metric and dataloader, and costs no collective.
 
 Not repairable, and reported on every rank: a ``None``-reduced list whose elements are 0-dim
 tensors (a scalar cannot be emptied) when the ranks' counts differ.
@@ -57,8 +60,6 @@ from composer_join.core import compat
 __all__ = ['MetricStates', 'count_shadow_update', 'shadow_update']
 
 log = logging.getLogger(__name__)
-
-Key = tuple[str, str]  # (dataloader label, metric name)
 
 
 def _leaves(metric: Metric) -> Iterator[Metric]:
@@ -114,32 +115,38 @@ def _to(x: Any, device: torch.device) -> Any:
 
 
 class MetricStates:
-    """Learns what an empty update of each list-state metric looks like, and makes every rank's states syncable.
+    """One dataloader's list-state metrics: what an empty update of each looks like; every rank's states made syncable.
 
-    Used by :class:`~composer_join.join.algorithm.UnevenJoin`; every method is called on every rank at
-    the same events. Costs nothing for metrics without list states; for those with lists reduced
-    by ``None`` (retrieval metrics), one ``all_reduce`` of a few integers per :meth:`fill`.
+    Made by the join's loader for its dataloader and handed on with what else is learned from that dataloader
+    (``composer_join.join.loader.Learned``); called by :class:`~composer_join.join.microbatches.Microbatches`
+    on every rank at the same events. Costs nothing for metrics without list states; for those with lists
+    reduced by ``None`` (retrieval metrics), one ``all_reduce`` of a few integers per :meth:`fill`.
 
     Args:
         to_device: moves the counts tensor to the trainer's device (``state.device.tensor_to_device``),
             so that NCCL gets a CUDA tensor.
+
+    Example (``metrics`` a dict of torchmetrics, ``update`` as :func:`shadow_update` makes it)::
+
+        states = MetricStates(state.device.tensor_to_device)  # one per dataloader
+        states.probe(metrics, update)  # a shadow microbatch of this dataloader: learn the empty states
+        states.fill(metrics)  # on every rank, right before Composer computes them
     """
 
     def __init__(self, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
         self.to_device = to_device
-        # per (label, metric name), per leaf index, per list state: the empty element (None: unknown)
-        self._empties: dict[Key, list[dict[str, Any]]] = {}
+        # per metric name, per leaf index, per list state: the empty element (None: unknown)
+        self._empties: dict[str, list[dict[str, Any]]] = {}
 
-    def probe(self, label: str, metrics: dict[str, Metric], update: Callable[[Metric], Any]) -> None:
-        """On a shadow microbatch: learn the empty states of ``metrics`` not learned yet.
+    def probe(self, metrics: dict[str, Metric], update: Callable[[Metric], Any]) -> None:
+        """On a shadow microbatch of this dataloader: learn the empty states of ``metrics`` not learned yet.
 
         ``update(metric)`` updates a metric with the shadow microbatch the way Composer would
         (``model.update_metric(batch, outputs, metric)``); it is applied to a fresh copy of each
-        list-state metric, never to ``metrics`` themselves. Once per metric and label.
+        list-state metric, never to ``metrics`` themselves. Once per metric name.
         """
         for name, metric in metrics.items():
-            key = (label, name)
-            if key in self._empties or not isinstance(metric, Metric) or not _has_list_states(metric):
+            if name in self._empties or not isinstance(metric, Metric) or not _has_list_states(metric):
                 continue
             copy_ = _fresh_copy(metric)
             try:
@@ -152,17 +159,17 @@ class MetricStates:
                     type(e).__name__,
                     e,
                 )
-                self._empties[key] = []
+                self._empties[name] = []
                 continue
-            self._empties[key] = [{a: _element_empty(leaf, a) for a in _list_states(leaf)} for leaf in _leaves(copy_)]
+            self._empties[name] = [{a: _element_empty(leaf, a) for a in _list_states(leaf)} for leaf in _leaves(copy_)]
 
-    def fill(self, label: str, metrics: dict[str, Metric]) -> None:
+    def fill(self, metrics: dict[str, Metric]) -> None:
         """Make ``metrics``' list states syncable on this rank; call on every rank right before they are computed."""
         padding: list[tuple[str, Metric, str, Any]] = []  # (metric name, leaf, state, empty element)
         for name, metric in metrics.items():
             if not isinstance(metric, Metric):
                 continue
-            learned = self._empties.get((label, name))
+            learned = self._empties.get(name)
             for i, leaf in enumerate(_leaves(metric)):
                 for attr in _list_states(leaf):
                     value = getattr(leaf, attr)

@@ -49,6 +49,12 @@ The steps past the lengths cost one agreement each, like any agreed step; a load
 A rank that has never seen a batch (an empty shard) is sent a one-or-two sample template by the
 lowest rank with data, once, to learn the batch structure.
 
+What a run learns from a dataloader's batches (that template, the stand-in input made from it, the empty
+states of list-state metrics, whether a warning was given) is a :class:`Learned` record kept by the
+loader made for that dataloader, and handed to the next loader made for the same dataloader object (a
+later fit or evaluation of it); never looked up by label, so a second ``trainer.eval(eval_dataloader=...)``
+of other data, also labelled ``'eval'``, learns its own.
+
 Example (what the algorithm does at ``Event.FIT_START`` and ``Event.EVAL_START``)::
 
     loader = join_dataloader(state)  # wraps state.dataloader and puts the wrapper in its place
@@ -87,6 +93,7 @@ from composer_join.core.report import EpochReport
 from composer_join.core.source import IDLE, BatchSource, Failed, OwnBatches
 from composer_join.data.resume import Progress, RankPositions, Start
 from composer_join.data.sampler import shard_by_layout
+from composer_join.interop.metrics import MetricStates
 from composer_join.rebalance.readahead import rebalanced_without_len
 from composer_join.rebalance.rebalance import rebalanced
 from composer_join.shadow.dataspec import ShadowSplit, count_microbatches, count_samples, spec_for
@@ -96,6 +103,7 @@ from composer_join.shadow.structure import fingerprint
 __all__ = [
     'TEMPLATE_SAMPLES',
     'JoinLoader',
+    'Learned',
     'Lengths',
     'batch_source',
     'join_dataloader',
@@ -135,6 +143,27 @@ class Lengths:
         per_rank = None if self.per_rank is None else [None if n is None else offset + n for n in self.per_rank]
         shared = None if self.shared is None else offset + self.shared
         return Lengths(shared, self.check_overflow, per_rank, offset)
+
+
+@dataclass
+class Learned:
+    """What a run learns from one dataloader's batches; kept by the :class:`JoinLoader` made for that dataloader.
+
+    A later loader made for the same dataloader object (the trainer's next fit, or next evaluation with it) takes
+    it over (``earlier``); a loader for another dataloader starts with a new one, so nothing learned from one
+    dataloader shapes another's stand-ins, whatever their labels. Dropped with the loaders that hold it.
+    """
+
+    template: Any = None
+    """First samples of a real batch, on the CPU: this rank's own, or (no data of its own) the ones another rank
+    sent. Shadow batches copy its structure; every rank's agreement row carries its fingerprint."""
+    stand_in: Any = None
+    """The two samples a stand-in forward runs on, on the device: a real microbatch's first samples on this rank, or
+    the template moved there (:class:`~composer_join.join.microbatches.Microbatches`)."""
+    metric_states: MetricStates = field(default_factory=MetricStates)
+    """The empty states of this dataloader's list-state metrics (:mod:`composer_join.interop.metrics`)."""
+    warned: bool = False
+    """The warning about a ``len()`` that undercounts was given (once per dataloader)."""
 
 
 @dataclass
@@ -185,8 +214,8 @@ class JoinLoader:
         start: train only: ``() ->`` where the next iteration starts in its epoch
             (:func:`composer_join.data.resume.train_position`), read when it starts, so that a mid-epoch resume
             reshuffles and counts right.
-        earlier: an earlier loader over the same dataloader (the trainer's previous fit or evaluation): its
-            template (first samples of a real batch) and whether it warned already are kept.
+        earlier: an earlier loader (the trainer's previous fit, or previous evaluation under this label): if it is over
+            the same dataloader object, what was learned from its batches (:class:`Learned`) is kept.
         report: the current epoch's report, if it goes on (a checkpoint's, resumed).
         layout: the data-parallel members (:class:`~composer_join.core.layout.Layout`; default: every rank its own).
             Under tensor parallelism every step is agreed, the ranks of a member must hold the same batch
@@ -215,19 +244,17 @@ class JoinLoader:
         self.throw_on_early_termination = throw_on_early_termination
         self.to_device, self.microbatch_size = to_device, microbatch_size
         self.opened, self.label, self.positions, self.start = opened, label, positions, start
-        earlier = earlier if earlier is not None and earlier.dataloader is self.dataloader else None
-        self.template: Optional[Any] = (
-            earlier.template if earlier is not None else None
-        )  # first samples of a real batch (CPU)
+        self.learned: Learned = (
+            earlier.learned
+            if earlier is not None and earlier.dataloader is self.dataloader
+            else Learned(metric_states=MetricStates(to_device))
+        )
         self.report = report or self._new_report(0)
         self.epoch = self.report.epoch
         self.plan: Optional[StepPlan] = None  # the current step's plan, while iterating (see current_plan)
         self._sizes: tuple[Any, Any] = (None, None)  # microbatch size when the pending batch / the plan was counted
         self._recounted: Optional[tuple[StepPlan, Any, StepPlan]] = None
         self.uncapped = False  # Composer iterates without its dataloader_len cap this time (see lift_cap)
-        self._warned: bool = (
-            earlier._warned if earlier is not None else False
-        )  # the warning about a len() that undercounts was given
         self._resumed: tuple[int, bool] = (0, False)  # own samples trained, own data ended, before a mid-epoch resume
         self._now = _Iteration()
         self._rank, self._world = dist.get_global_rank(), dist.get_world_size()
@@ -402,7 +429,7 @@ class JoinLoader:
                 status = fetched.status
                 if status.has_batch:
                     now.trained = -1 if min(now.trained, status.samples) < 0 else now.trained + status.samples
-                yield fetched.batch if status.has_batch else first_samples(self.template, 0)
+                yield fetched.batch if status.has_batch else first_samples(self.learned.template, 0)
                 step += 1
         finally:
             self.plan, now.pending = None, None
@@ -491,9 +518,9 @@ class JoinLoader:
     def _warn_if_beyond(self) -> None:
         """Once per loader, on rank 0, at the end of an epoch that went on past ``length``: say so, and what it does."""
         per_rank = self.lengths.per_rank
-        if not self._now.beyond or self._warned or self._rank != 0 or per_rank is None:
+        if not self._now.beyond or self.learned.warned or self._rank != 0 or per_rank is None:
             return
-        self._warned = True
+        self.learned.warned = True
         counts = self.report.real_batches
         per_member = self.layout.leaders(per_rank)
         over = [(m, n, own) for m, (n, own) in enumerate(zip(counts, per_member)) if own is not None and n > own]
@@ -542,16 +569,16 @@ class JoinLoader:
                 has_batch=False,
                 samples=0,
                 microbatches=1,
-                needs_template=self.template is None,
-                structure=0 if self.template is None else fingerprint(self.template),
+                needs_template=self.learned.template is None,
+                structure=0 if self.learned.template is None else fingerprint(self.learned.template),
             ),
             None,
         )
 
     def _status(self, batches: Iterator[Any], batch: Any, step: int) -> RankStatus:
         """A real batch's row: its counts, its structure, and (at the last step by length) whether more follows."""
-        if self.template is None:
-            self.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
+        if self.learned.template is None:
+            self.learned.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
         samples, microbatches = self.describe(batch)
         overflow = self.check_overflow and self.length is not None and step == self.length - 1 and self._peek(batches)
         content = content_crc(batch) if self.layout.tp > 1 else 0
@@ -583,7 +610,7 @@ class JoinLoader:
             raise self._short_error(short, plan.step)
         self.layout.check_rows(plan.statuses, plan.step, self.epoch, self.label)
         if plan.structures_differ:
-            mine = describe_structure(batch if batch is not None else self.template)
+            mine = describe_structure(batch if batch is not None else self.learned.template)
             structures = dist.all_gather_object(mine)  # only on this error path, on every rank
             per_rank = '; '.join(f'rank {r}: {d}' for r, d in enumerate(structures))
             raise UnevenInputsError(
@@ -602,10 +629,10 @@ class JoinLoader:
             )
 
     def _share_template(self, source: int) -> None:
-        box = [self.template if dist.get_global_rank() == source else None]
+        box = [self.learned.template if dist.get_global_rank() == source else None]
         dist.broadcast_object_list(box, src=source)
-        if self.template is None:
-            self.template = box[0]
+        if self.learned.template is None:
+            self.learned.template = box[0]
             log.info(
                 'rank %d has no data of its own; shaped its shadow batches after rank %d',
                 dist.get_global_rank(),
@@ -633,8 +660,8 @@ def join_dataloader(
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
     Called on every rank at the same point (fit or evaluation start): one collective to agree on
-    the longest rank's length. ``cached``, a loader made earlier for the same dataloader, gives its
-    template (:class:`JoinLoader`'s ``earlier``). ``throw`` is ``throw_on_early_termination``. Microbatch counts are predicted with
+    the longest rank's length. ``cached``, a loader made earlier (for the same dataloader: what was learned from
+    it is kept, :class:`Learned`), is :class:`JoinLoader`'s ``earlier``. ``throw`` is ``throw_on_early_termination``. Microbatch counts are predicted with
     ``microbatch_size`` (an evaluator's, or a callable giving the size in force), by default the train
     microbatch size in force. ``rebalance``: ``mode='rebalance'`` (:func:`batch_source` picks the source).
     ``settings``: UnevenJoin's (:func:`composer_join.core.settings.row`), checked to be the same on every

@@ -13,7 +13,11 @@
   reach the train or eval metrics, which a shadow microbatch still makes syncable
   (:mod:`composer_join.interop.metrics`).
 
-Cost: a template of two samples per dataloader label, kept on the device; per stand-in microbatch, a copy of it.
+What is learned from the current dataloader (the template a stand-in runs on, the empty states of its list-state
+metrics) is read from and kept in the current loader's :class:`~composer_join.join.loader.Learned` record: the
+dataloader's, never the label's.
+
+Cost: a template of two samples per dataloader, kept on the device; per stand-in microbatch, a copy of it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from composer_join.core.batches import first_samples
 from composer_join.core.plan import StepPlan
 from composer_join.interop.metrics import MetricStates, count_shadow_update, shadow_update
 from composer_join.interop.oom import EvalRetry
+from composer_join.join.loader import JoinLoader, Learned
 from composer_join.shadow.buffers import BufferGuard
 
 __all__ = ['TEMPLATE_SAMPLES', 'Microbatches']
@@ -42,10 +47,9 @@ class Microbatches:
     Args:
         plan: ``() ->`` the current step's plan (None outside a step).
         rank: this rank.
-        counts: ``batch -> its samples`` with the current dataloader's ``DataSpec`` (-1: uncountable; None: no
-            loader is current, e.g. ``predict()`` left to Composer).
-        template: ``() ->`` the current loader's template (first samples of a real batch, this rank's or, with no
-            data of its own, another rank's), on the CPU.
+        loader: ``() ->`` the current loader (None: none is, e.g. ``predict()`` left to Composer): its ``DataSpec``
+            counts samples, and what was learned from its dataloader (:class:`~composer_join.join.loader.Learned`:
+            the template, first samples of a real batch, this rank's or, with no data of its own, another rank's).
         to_device: where metric states go (the trainer's device).
     """
 
@@ -53,18 +57,14 @@ class Microbatches:
         self,
         plan: Callable[[], Optional[StepPlan]],
         rank: int,
-        counts: Callable[[], Optional[Callable[[Any], int]]],
-        template: Callable[[], Any],
+        loader: Callable[[], Optional[JoinLoader]],
         to_device: Callable[[torch.Tensor], torch.Tensor],
     ):
-        self.plan, self.rank, self.counts, self.loader_template = plan, rank, counts, template
+        self.plan, self.rank, self.loader, self.to_device = plan, rank, loader, to_device
         self.shadow = False  # the current microbatch is a stand-in
         self.fed = True  # the current train microbatch's forward ran on the input feed() gave it
-        self._templates: dict[str, Any] = {}  # per dataloader label: two prepared samples, on the device
         self._held: Optional[tuple[Any, BufferGuard]] = None  # a shadow step's AFTER_DATALOADER: its batch, buffers
         self._stashed: Optional[tuple[dict, dict]] = None  # metrics emptied for a stand-in, and their content
-        self.metric_states = MetricStates()  # list-state metrics made syncable on ranks with no data
-        self.metric_states.to_device = to_device
         self.eval_retry = EvalRetry()  # automatic eval microbatching: undo a retried batch's metric updates
 
     @property
@@ -75,14 +75,10 @@ class Microbatches:
 
     def start(self, state: State) -> int:
         """A microbatch starts: decide whether it is a stand-in; return its samples (0 if none or uncountable)."""
-        count = self.counts()
-        samples = count(state.batch) if count is not None else -1
+        loader = self.loader()
+        samples = loader.samples(state.batch) if loader is not None else -1
         self.shadow = self.shadow_step or samples == 0
         return max(samples, 0)
-
-    def forget(self, label: str) -> None:
-        """Drop ``label``'s template (``predict()``: each call may bring other data)."""
-        self._templates.pop(label, None)
 
     def feed(self, state: State) -> None:
         """Stand-in: give the forward two real samples instead of the empty batch; real: keep two.
@@ -91,21 +87,31 @@ class Microbatches:
         shifts them in place), so no batch object goes to the model twice: the template is a copy taken before
         the forward, and every stand-in microbatch gets a fresh copy of it.
         """
-        label = state.dataloader_label
+        learned = self._learned()
         if not self.shadow:
-            if label not in self._templates:
-                self._templates[label] = first_samples(state.batch, TEMPLATE_SAMPLES)
+            if learned is not None and learned.stand_in is None:
+                learned.stand_in = first_samples(state.batch, TEMPLATE_SAMPLES)
             return
         state.batch = first_samples(self.template(state), TEMPLATE_SAMPLES)
 
     def template(self, state: State) -> Any:
-        """The current dataloader's template: this rank's first samples, or (never had data) the one other ranks sent."""
-        label = state.dataloader_label
-        if label not in self._templates:
-            self._templates[label] = state.device.batch_to_device(
-                first_samples(self.loader_template(), TEMPLATE_SAMPLES)
-            )
-        return self._templates[label]
+        """The current dataloader's stand-in input: this rank's first samples, or (never had data) the template other
+        ranks sent, on the device."""
+        learned = self._learned()
+        if learned is None:  # a stand-in is only ever asked for where a loader is current
+            raise RuntimeError('UnevenJoin: a stand-in microbatch with no dataloader of the join current')
+        if learned.stand_in is None:
+            learned.stand_in = state.device.batch_to_device(first_samples(learned.template, TEMPLATE_SAMPLES))
+        return learned.stand_in
+
+    def _learned(self) -> Optional[Learned]:
+        loader = self.loader()
+        return loader.learned if loader is not None else None
+
+    def _metric_states(self) -> MetricStates:
+        """The current dataloader's list-state metrics; with no loader current, states learned from nothing."""
+        learned = self._learned()
+        return learned.metric_states if learned is not None else MetricStates(self.to_device)
 
     def stand_in_for_others(self, state: State) -> bool:
         """A shadow step's ``AFTER_DATALOADER``: run first (returns True) and last (False), see :mod:`.passes`.
@@ -139,9 +145,7 @@ class Microbatches:
             return
         template = self.template(state)
         rows = TEMPLATE_SAMPLES if self.fed or state.outputs is None else 0
-        self.metric_states.probe(
-            state.dataloader_label, state.train_metrics, shadow_update(state, lambda: first_samples(template, rows))
-        )
+        self._metric_states().probe(state.train_metrics, shadow_update(state, lambda: first_samples(template, rows)))
         self._stash(state.train_metrics)
 
     def keep_eval_metrics_out(self, state: State) -> None:
@@ -149,7 +153,7 @@ class Microbatches:
         if not self.shadow:
             return
         metrics = state.eval_metrics[state.dataloader_label]
-        self.metric_states.probe(state.dataloader_label, metrics, shadow_update(state))
+        self._metric_states().probe(metrics, shadow_update(state))
         self._stash(metrics)
 
     def metrics_back(self, state: State, metrics: Optional[dict]) -> None:
@@ -161,7 +165,7 @@ class Microbatches:
             self._stashed = None
         if shadowed:  # no "compute before update" warning that the ranks with data do not give
             count_shadow_update(metrics or {})
-        self.metric_states.fill(state.dataloader_label, metrics or {})  # Composer computes them next
+        self._metric_states().fill(metrics or {})  # Composer computes them next
 
     def _stash(self, metrics: dict) -> None:
         """Empty ``metrics`` in place for this stand-in microbatch; :meth:`metrics_back` refills it.

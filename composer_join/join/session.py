@@ -5,8 +5,9 @@
 (the algorithm's table). A run holds:
 
 * the wrapper's part (:mod:`composer_join.wrappers`: DDP, FSDP1/2 or none), chosen once;
-* the join's loader of the current fit (:class:`~composer_join.join.loader.JoinLoader`) and one per evaluator
-  label (each start builds a new one; an earlier one gives its template), and which one's plan is current;
+* the join's loader of the current fit (:class:`~composer_join.join.loader.JoinLoader`) and the last one per
+  evaluator label (each start builds a new one; one made earlier for the same dataloader object hands on what was
+  learned from its batches, :class:`~composer_join.join.loader.Learned`), and which one's plan is current;
 * the per-rank positions of train data that keeps one (:mod:`composer_join.data.resume`);
 * the microbatch bookkeeping (:class:`~composer_join.join.microbatches.Microbatches`);
 * Composer's train ``dataloader_len`` while it is lifted (:func:`~composer_join.join.loader.lift_cap`).
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from typing import Any, NamedTuple, Optional, cast
 
-from composer.core import Event, State
+from composer.core import DataSpec, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 from torch.utils.data import DataLoader
@@ -98,18 +99,12 @@ class Run:
         self.wrapper.load_state_dict(resumed.wrapper if resumed is not None else {})
         self.loader: Optional[JoinLoader] = None  # the loader whose plan is current (train or eval)
         self.train: Optional[JoinLoader] = None
-        self.evals: dict[str, JoinLoader] = {}
+        self.evals: list[JoinLoader] = []  # the evaluators' loaders, while their dataloaders are the trainer's
         self.positions: Optional[RankPositions] = None
         self.cap: Any = None  # Composer's train dataloader_len, lifted at EPOCH_START until BEFORE_DATALOADER
         # () -> the train loader of the epochs after the rest of an epoch resumed elastically (made at its end)
         self.after_epoch: Optional[Callable[[], JoinLoader]] = None
-        self.microbatches = Microbatches(
-            self.plan,
-            self.rank,
-            lambda: self.loader.samples if self.loader is not None else None,
-            lambda: self.loader.template if self.loader is not None else None,
-            state.device.tensor_to_device,
-        )
+        self.microbatches = Microbatches(self.plan, self.rank, lambda: self.loader, state.device.tensor_to_device)
 
     def plan(self) -> Optional[StepPlan]:
         """The current step's plan, while a training epoch or an evaluation is running."""
@@ -269,14 +264,20 @@ class Run:
             self.loader = None
             return
         evaluator = next((e for e in state.evaluators if e.label == label), None)
-        self.evals[label] = self.loader = join_dataloader(
+        # what was learned from this dataloader object before (never from another under the same label)
+        earlier = next((loader for loader in self.evals if loader.dataloader is state.dataloader), None)
+        self.loader = join_dataloader(
             state,
-            self.evals.get(label),
+            earlier,
             microbatch_size=(lambda: evaluator.device_eval_microbatch_size) if evaluator is not None else None,
             settings=self.settings_row,
             install=lambda changes: self.wrapper.install_eval(changes, state, self.plan),
             layout=self.layout,
         )
+        # kept while an evaluator reads its dataloader (an eval(eval_dataloader=...)'s goes with it)
+        dataloaders = [e.dataloader.dataloader for e in state.evaluators if isinstance(e.dataloader, DataSpec)]
+        kept = [loader for loader in self.evals if loader is not earlier and _among(loader.dataloader, dataloaders)]
+        self.evals = [*kept, self.loader]
         self.loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
         lift_cap(state, self.loader)  # Composer puts the train cap back after the evaluation
         self.wrapper.eval_start(state, self.plan)
@@ -286,7 +287,6 @@ class Run:
         if pads_by_repeating(state.dataloader):
             self.loader = None  # torch's DistributedSampler: evened out by repeats, Composer's business
             return
-        self.microbatches.forget(state.dataloader_label)  # each predict() may bring other data
         self.loader = join_dataloader(
             state,
             microbatch_size=-1,
@@ -414,3 +414,8 @@ class Run:
             'epoch_done': loader.epoch_done(),
             'groups': self.layout.tp_groups,
         }
+
+
+def _among(obj: Any, objects: Iterable[Any]) -> bool:
+    """Whether ``obj`` is one of ``objects`` (by identity: a dataloader may compare equal to another)."""
+    return any(obj is o for o in objects)

@@ -65,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, cast
@@ -252,6 +253,11 @@ class JoinLoader:
         self.report = report or self._new_report(0)
         self.epoch = self.report.epoch
         self.plan: Optional[StepPlan] = None  # the current step's plan, while iterating (see current_plan)
+        # the current step's register of changes: made when a step's batch is yielded, undone when Composer asks for
+        # the next one, when the iteration ends, or when the run raises; None between steps
+        self.step_changes: Optional[Changes] = None
+        # the last iteration started (see close_iteration); held weakly: Python closes it once Composer drops it
+        self._iteration: Optional[weakref.ref[Iterator[Any]]] = None
         self._sizes: tuple[Any, Any] = (None, None)  # microbatch size when the pending batch / the plan was counted
         self._recounted: Optional[tuple[StepPlan, Any, StepPlan]] = None
         self.uncapped = False  # Composer iterates without its dataloader_len cap this time (see lift_cap)
@@ -360,13 +366,35 @@ class JoinLoader:
 
         ``opened()`` makes them (the ``DataSpec``'s split, the wrapper's hooks and padding) and returns their
         register, undone when the iteration ends: Composer stops asking, or an exception unwinds Composer's loop
-        (Python then closes this suspended generator).
+        (Python then closes the suspended iterator), or at the latest when :meth:`close_iteration` is called. Each step's
+        own changes (:attr:`step_changes`) are undone first. An earlier iteration of this loader still suspended
+        is closed before a new one starts.
         """
+        self.close_iteration()
+        iteration = self._iterating()
+        self._iteration = weakref.ref(iteration)
+        return iteration
+
+    def _iterating(self) -> Iterator[Any]:
         changes = self.opened()
         try:
             yield from self._iterate()
         finally:
             changes.undo()
+
+    def close_iteration(self) -> None:
+        """End an iteration Composer left suspended, undoing its changes; a no-op if none is (idempotent).
+
+        Python closes the iterator of a run that raised as the exception unwinds Composer's loop, unless something
+        keeps it: a raise inside Composer's own iterator over the dataloader (at ``BEFORE_DATALOADER``) leaves it
+        in the traceback's frames, which a notebook keeps (``sys.last_traceback``). The trainer's next fit,
+        evaluation or ``predict()`` calls this at its start (:class:`~composer_join.join.session.Run`), so nothing
+        of the raised run reaches it, and the iterator's late closing undoes nothing twice.
+        """
+        iteration = self._iteration() if self._iteration is not None else None
+        self._iteration = None
+        if iteration is not None:
+            iteration.close()  # type: ignore[attr-defined]  # a generator
 
     def _open(self, resumed: bool) -> Iterator[Any]:
         """The user's dataloader for this epoch (through its position adapter, if its data keeps a position)."""
@@ -429,7 +457,12 @@ class JoinLoader:
                 status = fetched.status
                 if status.has_batch:
                     now.trained = -1 if min(now.trained, status.samples) < 0 else now.trained + status.samples
-                yield fetched.batch if status.has_batch else first_samples(self.learned.template, 0)
+                step_changes = self.step_changes = Changes()
+                try:
+                    yield fetched.batch if status.has_batch else first_samples(self.learned.template, 0)
+                finally:  # Composer asks for the next batch, or the iteration ends (also when the run raises)
+                    self.step_changes = None
+                    step_changes.undo()
                 step += 1
         finally:
             self.plan, now.pending = None, None

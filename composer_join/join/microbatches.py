@@ -15,7 +15,10 @@
 
 What is learned from the current dataloader (the template a stand-in runs on, the empty states of its list-state
 metrics) is read from and kept in the current loader's :class:`~composer_join.join.loader.Learned` record: the
-dataloader's, never the label's.
+dataloader's, never the label's. What a step changes for its stand-ins (the batch put aside at ``AFTER_DATALOADER``
+and the buffers around it, the metrics kept out) is held in a record of that step alone (:class:`Step`), made
+fresh for each step and put back by the loader's register of the step (``JoinLoader.step_changes``) when the step
+ends, also when the run raises: nothing of a step reaches the next one, or the next fit.
 
 Cost: a template of two samples per dataloader, kept on the device; per stand-in microbatch, a copy of it.
 """
@@ -23,22 +26,57 @@ Cost: a template of two samples per dataloader, kept on the device; per stand-in
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from composer.core import State
 
 from composer_join.core.batches import first_samples
+from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan
 from composer_join.interop.metrics import MetricStates, count_shadow_update, shadow_update
 from composer_join.interop.oom import EvalRetry
 from composer_join.join.loader import JoinLoader, Learned
 from composer_join.shadow.buffers import BufferGuard
 
-__all__ = ['TEMPLATE_SAMPLES', 'Microbatches']
+__all__ = ['TEMPLATE_SAMPLES', 'Microbatches', 'Step']
 
 TEMPLATE_SAMPLES = 2
 """Samples in a shadow forward: two, so that BatchNorm in training mode accepts it."""
+
+
+@dataclass
+class Step:
+    """What one step (a training step, an evaluation or ``predict()`` batch) changed for its stand-ins, until put back.
+
+    Made by :class:`Microbatches` for each step of the current loader; :meth:`end` runs when the step's register
+    of changes is undone (the step ends, its iteration ends, or the run raises), so nothing outlives the step.
+    """
+
+    state: State
+    held: Optional[tuple[Any, BufferGuard]] = None
+    """``AFTER_DATALOADER`` of a shadow step: the zero-sample batch put aside for the stand-in, the buffers' guard."""
+    stashed: Optional[tuple[dict, dict]] = None
+    """Metrics emptied for a stand-in microbatch, and their content."""
+
+    def put_back(self) -> None:
+        """The zero-sample batch back in place of the stand-in, the buffers as they were before it."""
+        if self.held is not None:
+            (self.state.batch, guard), self.held = self.held, None
+            guard.restore()
+
+    def refill(self) -> bool:
+        """The metrics a stand-in emptied refilled; whether there were any."""
+        if self.stashed is None:
+            return False
+        (emptied, saved), self.stashed = self.stashed, None
+        emptied.update(saved)
+        return True
+
+    def end(self) -> None:
+        self.put_back()
+        self.refill()
 
 
 class Microbatches:
@@ -63,8 +101,7 @@ class Microbatches:
         self.plan, self.rank, self.loader, self.to_device = plan, rank, loader, to_device
         self.shadow = False  # the current microbatch is a stand-in
         self.fed = True  # the current train microbatch's forward ran on the input feed() gave it
-        self._held: Optional[tuple[Any, BufferGuard]] = None  # a shadow step's AFTER_DATALOADER: its batch, buffers
-        self._stashed: Optional[tuple[dict, dict]] = None  # metrics emptied for a stand-in, and their content
+        self._step: Optional[tuple[Optional[Changes], Step]] = None  # the current step's register, and its record
         self.eval_retry = EvalRetry()  # automatic eval microbatching: undo a retried batch's metric updates
 
     @property
@@ -104,6 +141,17 @@ class Microbatches:
             learned.stand_in = state.device.batch_to_device(first_samples(learned.template, TEMPLATE_SAMPLES))
         return learned.stand_in
 
+    def step(self, state: State) -> Step:
+        """The current step's record: made with the first call in each step of the current loader, ended with it."""
+        loader = self.loader()
+        register = loader.step_changes if loader is not None else None
+        if self._step is None or self._step[0] is not register:
+            step = Step(state)
+            if register is not None:
+                register.call(step.end)
+            self._step = (register, step)
+        return self._step[1]
+
     def _learned(self) -> Optional[Learned]:
         loader = self.loader()
         return loader.learned if loader is not None else None
@@ -122,17 +170,16 @@ class Microbatches:
         splits it), with the module buffers as they were (a :class:`~composer_join.shadow.buffers.BufferGuard`:
         buffers a forward replaced come back too).
         """
-        if self._held is None:
+        step = self.step(state)
+        if step.held is None:
             guard = BufferGuard(state.model)
             guard.armed = True
             guard.snapshot()
-            self._held = (state.batch, guard)
+            step.held = (state.batch, guard)
             self.shadow = True
             self.feed(state)
             return True
-        state.batch, guard = self._held
-        self._held = None
-        guard.restore()
+        step.put_back()
         return False
 
     def keep_train_metrics_out(self, state: State) -> None:
@@ -146,7 +193,7 @@ class Microbatches:
         template = self.template(state)
         rows = TEMPLATE_SAMPLES if self.fed or state.outputs is None else 0
         self._metric_states().probe(state.train_metrics, shadow_update(state, lambda: first_samples(template, rows)))
-        self._stash(state.train_metrics)
+        self._stash(state, state.train_metrics)
 
     def keep_eval_metrics_out(self, state: State) -> None:
         """After a stand-in's eval forward: as :meth:`keep_train_metrics_out`, for the evaluator's metrics."""
@@ -154,25 +201,21 @@ class Microbatches:
             return
         metrics = state.eval_metrics[state.dataloader_label]
         self._metric_states().probe(metrics, shadow_update(state))
-        self._stash(metrics)
+        self._stash(state, metrics)
 
     def metrics_back(self, state: State, metrics: Optional[dict]) -> None:
         """The step or eval batch ends: refill the metrics a stand-in emptied, make list states syncable."""
-        shadowed = self._stashed is not None
-        if self._stashed is not None:
-            emptied, saved = self._stashed
-            emptied.update(saved)
-            self._stashed = None
-        if shadowed:  # no "compute before update" warning that the ranks with data do not give
+        if self.step(state).refill():  # no "compute before update" warning that the ranks with data do not give
             count_shadow_update(metrics or {})
         self._metric_states().fill(metrics or {})  # Composer computes them next
 
-    def _stash(self, metrics: dict) -> None:
-        """Empty ``metrics`` in place for this stand-in microbatch; :meth:`metrics_back` refills it.
+    def _stash(self, state: State, metrics: dict) -> None:
+        """Empty ``metrics`` in place for this stand-in microbatch; :meth:`metrics_back` refills it (or the step's end).
 
         Stand-in microbatches come last in a step (padding follows the real ones), so once stashed, the metrics
         stay out until the step or eval batch ends.
         """
-        if self._stashed is None:
-            self._stashed = (metrics, dict(metrics))
+        step = self.step(state)
+        if step.stashed is None:
+            step.stashed = (metrics, dict(metrics))
         metrics.clear()

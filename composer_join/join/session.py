@@ -119,6 +119,8 @@ class Run:
     # -- starts and ends ---------------------------------------------------------------------------
 
     def fit_start(self, state: State, logger: Logger) -> None:
+        self._close_iterations(self.train, *self.evals, self.loader)  # of a run that raised: none goes on now
+        self.cap = None  # (a run that raised between EPOCH_START and BEFORE_DATALOADER left it lifted)
         resumed, self.resumed = self.resumed, None
         rest = self._rest_of_epoch(state, resumed)  # this rank's share of an epoch resumed elastically
         resized = check_world_size(resumed, state, rest is not None, self.layout)  # else raises mid-epoch
@@ -256,7 +258,18 @@ class Run:
         if self.positions is not None:
             self.positions.close()
 
+    def _close_iterations(self, *loaders: Optional[JoinLoader]) -> None:
+        """End what a run that raised left suspended in these loaders (:meth:`JoinLoader.close_iteration`)."""
+        for loader in loaders:
+            if loader is not None:
+                loader.close_iteration()
+
+    def _close_evaluations(self) -> None:
+        """At an evaluation's or ``predict()``'s start: no other one goes on (the train iteration may: a fit's)."""
+        self._close_iterations(*self.evals, self.loader if self.loader is not self.train else None)
+
     def eval_start(self, state: State, logger: Logger) -> None:
+        self._close_evaluations()
         label = state.dataloader_label
         if pads_by_repeating(state.dataloader):
             # torch's DistributedSampler evens shards out by repeating samples, and Composer's eval
@@ -284,6 +297,7 @@ class Run:
 
     def predict_start(self, state: State, logger: Logger) -> None:
         """``Trainer.predict()``: every rank predicts its whole shard; ranks that run out shadow (no outputs)."""
+        self._close_evaluations()
         if pads_by_repeating(state.dataloader):
             self.loader = None  # torch's DistributedSampler: evened out by repeats, Composer's business
             return

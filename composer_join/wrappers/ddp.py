@@ -325,6 +325,7 @@ class DDPWrapper(Wrapper):
         if self._probe is not None:
             self._probe.attach(changes)
         changes.call(self._microbatch.undo)  # a shadow microbatch the run left half-way
+        changes.call(self._forget_step)  # a retried step is one of this iteration's
         spec = compat.train_data_spec(state)
         if spec is not None:
             # Forwards that communicate ('zero'): every rank runs the step's largest microbatch count (the
@@ -340,6 +341,9 @@ class DDPWrapper(Wrapper):
                 needed=lambda: pad or state.auto_microbatching,
             )
             self._sync.padded = (lambda: self._padding.last_count) if pad else None
+
+    def _forget_step(self) -> None:
+        self._last_step = None
 
     def fit_end(self, state: State) -> None:
         sync_buffers(state.model, self._source.rank)

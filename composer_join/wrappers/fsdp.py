@@ -176,6 +176,7 @@ class FSDPWrapper(Wrapper):
             spec, changes, plan, state.device.tensor_to_device, checks=self._oom, count=count, failures=failures
         )
         self._attach_guard(changes)
+        changes.call(self._failures.clear)  # found in a step the run left half-way
 
     def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from composer_join import UnevenInputsError
 from pipeline_data import EVAL_IDS, IdMap, SizedWorkerShards, collate_ids
 from rank_scenarios import ToyModel, quiet_trainer
-from scenarios_pipelines import evaluator, fit, run_case
+from scenarios_pipelines import evaluator, fit, make_loader, run_case
 
 
 class AtDataloader(Algorithm):
@@ -135,3 +135,19 @@ def saved_elsewhere(name: str, cfg: dict, folder: str) -> dict[str, Any]:
         fit(cfg, folder, callbacks=(SaveAt(manual, 1),))
     resumed = _error(lambda: fit(cfg, folder, load_path=os.path.join(manual, 'ep0-ba1-rank0.pt')))
     return {'error': resumed, 'warnings': [str(w.message) for w in caught if 'state_dict()' in str(w.message)]}
+
+
+def marked(odd: int, cfg: dict) -> Optional[str]:
+    """A fit whose model has a module marked ``shadow_forward = True`` (its forward communicates, so shadow
+    microbatches run it) on rank ``odd`` only: what it raised on this rank."""
+    from composer_join import UnevenJoin
+
+    model = ToyModel('mlp')
+    if dist.get_global_rank() == odd:
+        model.module.shadow_forward = True
+    train = make_loader(cfg['data'], cfg['sizes'], 0, cfg, '')
+    trainer = quiet_trainer(model=model, train_dataloader=train, max_duration='1ep', algorithms=[UnevenJoin()])
+    try:
+        return _error(trainer.fit)
+    finally:
+        trainer.close()

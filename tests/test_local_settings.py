@@ -85,6 +85,7 @@ def runs(tmp_path_factory, monkeypatch_module) -> dict:
         ),
     ]
     calls += [(f'repeats@{odd}', 'scenarios_local_settings:repeats', dict(odd=odd)) for odd in ODD]
+    calls += [(f'marked@{odd}', 'scenarios_local_settings:marked', dict(odd=odd, cfg=IDS)) for odd in ODD]
     calls += [
         (f'{name}@{odd}', 'scenarios_local_settings:case', dict(name=f'{name}{odd}', cfg=cfg, folder=folder, odd=odd))
         for name, cfg in EXACT.items()
@@ -131,6 +132,13 @@ def test_a_sampler_that_repeats_samples_on_some_ranks_only_stops_every_rank(runs
             assert f'rank(s) [{odd}]' in message and 'ExactDistributedSampler' in message, (what, rank, message)
 
 
+@pytest.mark.parametrize('odd', ODD)
+def test_a_model_whose_shadow_microbatches_run_differently_on_some_ranks_stops_every_rank(runs, odd):
+    for rank, message in enumerate(ok(runs, f'marked@{odd}')):
+        assert message is not None and 'shadow_forward' in message, (rank, message)
+        assert f"'zero' on rank(s) [{odd}]" in message and f"'skip' on rank(s) [{1 - odd}]" in message, message
+
+
 def test_data_left_to_composer_that_runs_short_names_register_position(runs):
     results = ok(runs, 'left_to_composer')
     for rank, res in enumerate(results):
@@ -152,3 +160,40 @@ def test_errors_are_rank_errors_not_hangs(runs):
     for name, per_rank in runs.items():
         for rank, res in enumerate(per_rank):
             assert not (isinstance(res, RankError) and 'mismatch' in res.message.lower()), (name, rank, res)
+
+
+def test_the_agreement_replays_every_rank_where_the_kinds_differ(recwarn):
+    # in one process (rank 0): the adapter as it is where every rank's kind is the same, a Replay of the same target
+    # where they differ (rank 0 warns, naming each rank's kind), an error for the rest of an elastic epoch on some
+    # ranks only; rebalancing without len() replays what would resume itself
+    from composer_join import UnevenInputsError
+    from composer_join.data.positions import Kind, Replay, SampleCountPosition, agreed_position
+
+    data = object()
+    own = SampleCountPosition(data, None)
+    assert agreed_position(own, [Kind.OWN, Kind.OWN], None, data) is own
+    assert not recwarn.list
+    replayed = agreed_position(own, [Kind.OWN, Kind.REPLAY], None, data)
+    assert isinstance(replayed, Replay) and replayed.target is data
+    [warning] = recwarn.list
+    assert "rank(s) [0]: its own position; rank(s) [1]: replayed" in str(warning.message), warning
+    none = agreed_position(None, [Kind.NONE, Kind.GLOBAL_ORDER], None, data)  # dataset_state left out on every rank
+    assert isinstance(none, Replay) and none.target is data
+    with pytest.raises(UnevenInputsError, match='another world size'):
+        agreed_position(None, [Kind.REST, Kind.NONE], None, data)
+    assert isinstance(agreed_position(own, [Kind.OWN] * 2, None, data, replay=True), Replay)
+
+
+def test_the_first_agreement_returns_every_ranks_facts_and_stops_on_those_that_cannot_differ():
+    from composer_join import UnevenInputsError
+    from composer_join.core.settings import Facts, check, row
+
+    settings = row(True, 'shadow', False, True)
+    facts = [Facts(others=1, position=2), Facts(others=0, position=3)]
+    assert check([settings + f.row() for f in facts]) == facts  # others and position: for the caller to decide
+    repeats = [Facts(repeats=True), Facts()]
+    with pytest.raises(UnevenInputsError, match=r"eval dataloader of rank\(s\) \[0\] shards with torch's"):
+        check([settings + f.row() for f in repeats], 'eval')
+    assert check([settings + Facts(repeats=True).row()] * 2, 'eval') == [Facts(repeats=True)] * 2
+    with pytest.raises(UnevenInputsError, match=r"'template' on rank\(s\) \[1\]"):
+        check([settings + Facts(shadow=1).row(), settings + Facts(shadow=3).row()])

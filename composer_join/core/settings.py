@@ -35,10 +35,13 @@ from dataclasses import dataclass, field
 
 from composer_join.core.errors import UnevenInputsError
 
-__all__ = ['MODES', 'SETTINGS', 'Facts', 'check', 'mismatch_error', 'row']
+__all__ = ['MODES', 'SETTINGS', 'SHADOW_WAYS', 'Facts', 'check', 'mismatch_error', 'row']
 
 MODES = ('shadow', 'rebalance')
 SETTINGS = ('enable', 'mode', 'throw_on_early_termination', 'divide_by_initial_world_size')
+SHADOW_WAYS = ('none', 'skip', 'zero', 'template')
+"""How a rank's shadow microbatches run in a fit (:class:`Facts` ``shadow``): not wrapped or FSDP, then the ways of
+:class:`composer_join.wrappers.ddp.ShadowWay` under DDP."""
 _MARK = 19  # first column: a rank that runs UnevenJoin's agreement (anything else: garbage, not UnevenJoin)
 
 
@@ -64,15 +67,19 @@ class Facts:
     position: int = 0
     """Train: how this rank's data keeps its position (:class:`composer_join.data.positions.Kind`): gathered at
     checkpoints only where every rank's kind is the same."""
+    shadow: int = 0
+    """Train: how this rank's shadow microbatches run (an index of :data:`SHADOW_WAYS`, from its model: a
+    ``SyncBatchNorm`` or a module marked ``shadow_forward = True`` makes them run the forward); the collectives of a
+    shadow step follow from it: the same on every rank, or every rank stops."""
     label: str = field(default='train', compare=False)
     """The dataloader's label, for messages (not sent)."""
 
     def row(self) -> list[int]:
-        return [self.others, int(self.repeats), self.position]
+        return [self.others, int(self.repeats), self.position, self.shadow]
 
     @classmethod
     def from_row(cls, values: Sequence[int], label: str = 'train') -> Facts:
-        return cls(int(values[0]), bool(values[1]), int(values[2]), label)
+        return cls(int(values[0]), bool(values[1]), int(values[2]), int(values[3]), label)
 
 
 def _value(name: str, code: int) -> str:
@@ -116,7 +123,22 @@ def check(rows: Sequence[Sequence[int]], label: str = 'train') -> list[Facts]:
             f'composer_join.ExactDistributedSampler (no repeats; uneven shards are evaluated exactly) or the same '
             f'sampler everywhere.',
         )
+    ways: dict[int, list[int]] = {}
+    for rank, f in enumerate(facts):
+        ways.setdefault(f.shadow, []).append(rank)
+    if len(ways) > 1:
+        held = ', '.join(f'{_way(w)} on rank(s) {ranks}' for w, ranks in ways.items())
+        raise UnevenInputsError(
+            f"UnevenJoin's shadow microbatches would run differently on different ranks ({held}), so their collectives "
+            f'would differ: the way follows from the model (a torch.nn.SyncBatchNorm, or a module marked '
+            f'shadow_forward = True, makes them run the forward on zero samples; DDP static_graph and a few other '
+            f'settings on two template samples). Give every rank the same model, marks and DDP settings.',
+        )
     return facts
+
+
+def _way(code: int) -> str:
+    return repr(SHADOW_WAYS[code]) if 0 <= code < len(SHADOW_WAYS) else f'<{code}>'
 
 
 def mismatch_error(cause: str) -> UnevenInputsError:

@@ -424,7 +424,7 @@ def agreed_position(
 
 def _replay_every_rank(position: Optional[Position], kinds: Sequence[int], dataloader: Any, dataset: Any) -> Replay:
     """:func:`agreed_position` where the ranks' kinds differ: this rank's :class:`Replay`; rank 0 warns."""
-    held = {Kind(k): [r for r, other in enumerate(kinds) if other == k] for k in sorted(set(kinds))}
+    held = {Kind(k): [r for r, other in enumerate(kinds) if other == k] for k in dict.fromkeys(kinds)}
     ranks = '; '.join(f'rank(s) {rs}: {_KIND_WORDS[k]}' for k, rs in held.items())
     if Kind.REST in held:
         raise UnevenInputsError(

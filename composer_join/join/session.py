@@ -35,7 +35,7 @@ from composer_join.core.errors import UnevenInputsError
 from composer_join.core.layout import trainer_layout
 from composer_join.core.plan import StepPlan
 from composer_join.core.report import EpochReport
-from composer_join.core.settings import Facts
+from composer_join.core.settings import SHADOW_WAYS, Facts
 from composer_join.core.source import BatchSource
 from composer_join.data.elastic import (
     GlobalOrder,
@@ -204,7 +204,7 @@ class Run:
             self.throw,
             rebalance=self.mode == 'rebalance',
             settings=self.settings_row,
-            facts=self._facts(state, position=int(kind)),
+            facts=self._facts(state, position=int(kind), shadow=SHADOW_WAYS.index(self.wrapper.shadow_way_name(state))),
             install=lambda changes: self._install_train(state, changes),
             positions=lambda source, kinds: self._rank_positions(state, source, candidate, kinds),
             start=lambda: train_position(state, finished),

@@ -19,6 +19,9 @@ Now (docs/how-it-works.md, "The collectives, and what decides them"):
 * **the counts at ``AFTER_DATALOADER``** are re-gathered on every step where some rank's trainer has another
   algorithm (agreed in the first agreement), whatever each matches (``others_on_odd_rank``,
   ``others_match_on_odd_rank``);
+* **shadow microbatches** that would run differently (a module marked ``shadow_forward = True`` on one rank: its
+  shadow microbatches run the forward on zero samples, the others' run no model code) stop every rank at
+  ``FIT_START`` naming the ranks and ways (``marked``);
 * **``UnevenJoin.state_dict()``** is not collective: the positions are gathered at Composer's checkpoint events and
   at ``FIT_END``, on every rank; called alone, it holds none and says so (``state_dict_alone``); a checkpoint saved
   elsewhere mid-epoch does not resume silently wrong: every rank stops with the cause (``saved_elsewhere``).

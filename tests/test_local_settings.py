@@ -179,7 +179,7 @@ def test_the_agreement_replays_every_rank_where_the_kinds_differ(recwarn):
     replayed = agreed_position(own, [Kind.OWN, Kind.REPLAY], None, data)
     assert isinstance(replayed, Replay) and replayed.target is data
     [warning] = recwarn.list
-    assert "rank(s) [0]: its own position; rank(s) [1]: replayed" in str(warning.message), warning
+    assert 'rank(s) [0]: its own position; rank(s) [1]: replayed' in str(warning.message), warning
     none = agreed_position(None, [Kind.NONE, Kind.GLOBAL_ORDER], None, data)  # dataset_state left out on every rank
     assert isinstance(none, Replay) and none.target is data
     with pytest.raises(UnevenInputsError, match='another world size'):

@@ -206,7 +206,7 @@ class Run:
             settings=self.settings_row,
             facts=self._facts(state, position=int(kind), shadow=SHADOW_WAYS.index(self.wrapper.shadow_way_name(state))),
             install=lambda changes: self._install_train(state, changes),
-            positions=lambda source, kinds: self._rank_positions(state, source, candidate, kinds),
+            positions=lambda source, facts: self._rank_positions(state, source, candidate, facts),
             start=lambda: train_position(state, finished),
             # (at a boundary on another world size, the report of a finished epoch of the old ranks is not this one)
             report=report,

@@ -78,6 +78,26 @@ class PlainState(SizedWorkerShards):
             yield i
 
 
+class ComposerProtocol(SizedWorkerShards):
+    """Composer's protocol, not registered with UnevenJoin (left to Composer): ``state_dict(num_samples,
+    from_beginning)`` keeps the count Composer hands it; the next iteration after ``load_state_dict`` skips that many
+    of this rank's ids (read in this process: with workers each worker would skip them)."""
+
+    def __init__(self, ids: list[int], claimed: int):
+        super().__init__(ids, claimed)
+        self.skip = 0
+
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, int]:
+        return {'sample_in_epoch': num_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state['sample_in_epoch']
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        return iter(self.ids[skip:])
+
+
 def generate_ids(files: list[list[int]]):
     """Hugging Face ``from_generator``: one 'file' of ids per shard."""
     for ids in files:

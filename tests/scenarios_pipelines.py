@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 from composer_join import ExactDistributedSampler, TrailPosition, UnevenJoin, is_shadow_step, register_position
 from pipeline_data import (
     EVAL_IDS,
+    ComposerProtocol,
     IdMap,
     PlainState,
     SizedWorkerShards,
@@ -77,18 +78,23 @@ def make_dataset(kind: str, sizes: list[int], first: int, cfg: dict, folder: str
     """``(dataset, sampler or None)`` of this rank for ``kind`` over ``sizes`` (per rank, from id ``first``)."""
     rank, world = dist.get_global_rank(), dist.get_world_size()
     b, workers = cfg['batch_size'], cfg.get('workers', 0)
+    if kind == 'own_sampler':  # this rank's ids, shuffled by a DistributedSampler of its own (one replica)
+        ids = _split(sizes, first)[rank]
+        dataset = IdMap(ids[0] if ids else first, len(ids))
+        return dataset, ExactDistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
     if kind in ('exact_sampler', 'uneven_sampler'):
         dataset = IdMap(first, sum(sizes))
         if kind == 'exact_sampler':
             return dataset, ExactDistributedSampler(dataset, shuffle=True, seed=3)
         cuts = [sum(sizes[:r]) for r in range(world + 1)]
         return dataset, UnevenShuffled(dataset, cuts)
-    if kind in ('iterable_nolen', 'iterable_exact', 'iterable_under', 'plain_state'):
+    if kind in ('iterable_nolen', 'iterable_exact', 'iterable_under', 'plain_state', 'composer_protocol'):
         ids = _split(sizes, first)[rank]
         if kind == 'iterable_nolen':
             return WorkerShards(ids), None
         claimed = len(ids) if kind == 'iterable_under' else _batches(ids, b, workers) * b
-        return (PlainState if kind == 'plain_state' else SizedWorkerShards)(ids, claimed), None
+        cls = {'plain_state': PlainState, 'composer_protocol': ComposerProtocol}.get(kind, SizedWorkerShards)
+        return cls(ids, claimed), None
     if kind == 'hf_filter':
         return _hf_filtered(sizes, first, cfg), None
     if kind.startswith('hf_'):
@@ -104,7 +110,10 @@ def make_dataset(kind: str, sizes: list[int], first: int, cfg: dict, folder: str
         else:
             table = datasets.Dataset.from_dict({'id': [i for f in files for i in f]})
             full = table.to_iterable_dataset(num_shards=len(files))
-        return split_dataset_by_node(full, rank=rank, world_size=world), None
+        dataset = split_dataset_by_node(full, rank=rank, world_size=world)
+        if cfg.get('shuffle_buffer'):  # a shuffle buffer (seeded): its state_dict() does not hold the buffer
+            dataset = dataset.shuffle(seed=1, buffer_size=cfg['shuffle_buffer'])
+        return dataset, None
     if kind == 'streaming':
         from streaming import MDSWriter, StreamingDataset
 
@@ -312,8 +321,9 @@ def pickles(loader: Any) -> dict[str, Any]:
     return out
 
 
-def fit(cfg: dict, folder: str, **kwargs) -> dict[str, Any]:
-    """One 2-epoch fit (an evaluation after each epoch), then ``predict()`` over the eval dataloader."""
+def fit(cfg: dict, folder: str, algorithms: tuple = (), callbacks: tuple = (), **kwargs) -> dict[str, Any]:
+    """One 2-epoch fit (an evaluation after each epoch), then ``predict()`` over the eval dataloader; ``algorithms``
+    and ``callbacks``: more of them, after UnevenJoin and the recording callbacks."""
     model = ToyModel('mlp')
     train = make_loader(cfg['data'], cfg['sizes'], 0, cfg, folder)
     evaluation = make_loader(cfg['data'], cfg['eval_sizes'], EVAL_IDS, cfg, folder)
@@ -327,8 +337,8 @@ def fit(cfg: dict, folder: str, **kwargs) -> dict[str, Any]:
         eval_interval='1ep',
         max_duration=cfg.get('max_duration', '2ep'),  # in batches without len(): Composer refuses epochs
         optimizers=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        algorithms=join,
-        callbacks=[trail, NoEmptyEpochs()],
+        algorithms=join + list(algorithms),
+        callbacks=[trail, NoEmptyEpochs(), *callbacks],
         loggers=[memory],
         **_microbatch(train),
         **kwargs,
@@ -429,20 +439,21 @@ def saves_at(positions: list[Any], state: Any, event: Event) -> bool:
     return 'ep1' not in positions or (int(state.timestamp.epoch) == 0 and int(state.timestamp.batch) in positions)
 
 
-def run_case(name: str, cfg: dict, folder: str) -> dict[str, Any]:
+def run_case(name: str, cfg: dict, folder: str, **extra: Any) -> dict[str, Any]:
     """``{'full': fit}``; with ``resume_at``, checkpoints and, per position, ``'resumed@<position>'``: a fit resumed
-    from it (its ``'resumed_from'``: the batch it starts after)."""
+    from it (its ``'resumed_from'``: the batch it starts after). ``extra``: :func:`fit`'s ``algorithms`` and
+    ``callbacks``, in every fit."""
     folder = os.path.join(folder, name)
     positions = resume_positions(cfg)
     if not positions:
-        return {'full': fit(cfg, folder)}
+        return {'full': fit(cfg, folder, **extra)}
     assert not {'ep1', 'epoch_end'} <= set(positions), 'both are after the same batch: Composer saves one of them'
     full = os.path.join(folder, 'full')
-    out = {'full': fit(cfg, folder, save_folder=full, save_interval=functools.partial(saves_at, positions))}
+    out = {'full': fit(cfg, folder, save_folder=full, save_interval=functools.partial(saves_at, positions), **extra)}
     first_epoch = 1 + max(step for step, (epoch, _) in out['full']['steps'].items() if epoch == 0)
     for at in positions:
         k = at if isinstance(at, int) else first_epoch
-        resumed = fit(cfg, folder, load_path=checkpoint(full, 1 if at == 'ep1' else 0, k))
+        resumed = fit(cfg, folder, load_path=checkpoint(full, 1 if at == 'ep1' else 0, k), **extra)
         out[f'resumed@{at}'] = dict(resumed, resumed_from=k)
     return out
 

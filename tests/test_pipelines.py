@@ -285,8 +285,11 @@ def per_epoch(per_rank: list[dict]) -> dict[int, list[int]]:
 
 @pytest.mark.parametrize('name', list(CASES))
 def test_pipeline_case_is_exact(runs, name):
-    cfg = CASES[name]
-    results = ok(runs, name)
+    check_exact(name, CASES[name], ok(runs, name))
+
+
+def check_exact(name: str, cfg: dict, results: list[dict]) -> None:
+    """What every case must show (the module docstring), from its per-rank ``results`` (:func:`run_case`'s)."""
     full = [r['full'] for r in results]
     train_ids, eval_ids = expected_ids(cfg, 0, cfg['sizes']), expected_ids(cfg, EVAL_IDS, cfg['eval_sizes'])
     epochs = per_epoch(full)  # 2 or more (max_duration in batches without len())

@@ -189,11 +189,12 @@ def test_a_dataset_that_resumes_itself_is_given_its_own_sample_count(runs, name)
 def test_the_position_adapter_is_chosen_by_what_the_data_is(recwarn):
     # mosaicml-streaming's StreamingDataset splits one global sample space across ranks itself: left to Composer,
     # silently; a registered class (a subclass too) gets its adapter; an unknown class with the same methods is
-    # never called with guessed arguments: left to Composer, with one warning naming it and how to register
+    # never called with guessed arguments: left to Composer, with one warning (once the ranks agreed on it) naming
+    # it and how to register
     from streaming import StreamingDataset
 
     from composer_join import SampleCountPosition, register_position
-    from composer_join.data.positions import position_for
+    from composer_join.data.positions import Kind, agreed_position, kind_of, position_for
 
     class Shard:
         def state_dict(self, num_samples, from_beginning):
@@ -209,10 +210,14 @@ def test_the_position_adapter_is_chosen_by_what_the_data_is(recwarn):
         pass
 
     register_position(Registered, SampleCountPosition)
-    assert position_for(None, StreamingDataset.__new__(StreamingDataset)) is None
+    streaming = StreamingDataset.__new__(StreamingDataset)
+    assert position_for(None, streaming) is None and kind_of(None, None, streaming) == Kind.COMPOSER
+    assert agreed_position(None, [Kind.COMPOSER], None, streaming) is None
     assert not recwarn.list
     assert isinstance(position_for(None, Sub()), SampleCountPosition)
-    assert position_for(None, Shard()) is None
-    assert position_for(None, Shard()) is None  # once per class
+    assert kind_of(position_for(None, Sub()), None, Sub()) == Kind.OWN
+    assert position_for(None, Shard()) is None and kind_of(None, None, Shard()) == Kind.UNREGISTERED
+    assert agreed_position(None, [Kind.UNREGISTERED], None, Shard()) is None
+    assert agreed_position(None, [Kind.UNREGISTERED], None, Shard()) is None  # once per class
     [warning] = recwarn.list
     assert 'Shard' in str(warning.message) and 'register_position' in str(warning.message)

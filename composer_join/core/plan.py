@@ -25,8 +25,8 @@ from typing import Any, Optional
 import torch
 from composer.utils import dist
 
+from composer_join.core.settings import Facts, mismatch_error
 from composer_join.core.settings import check as check_settings
-from composer_join.core.settings import mismatch_error
 
 __all__ = [
     'Agreement',
@@ -230,23 +230,28 @@ def agree_on_length(
     current_len: Optional[int],
     to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     settings: Sequence[int] = (),
-) -> tuple[Optional[int], bool, list[Optional[int]]]:
+    facts: Optional[Facts] = None,
+) -> tuple[Optional[int], bool, list[Optional[int]], list[Facts]]:
     """The number of batches every rank runs per epoch: the longest rank's (one collective, per fit or evaluation).
 
     Args:
         own_len: ``len()`` of this rank's dataloader, or None if it has none.
         current_len: the trainer's ``dataloader_len`` for it (smaller when a subset was asked for).
         settings: this rank's UnevenJoin settings (:func:`composer_join.core.settings.row`), carried in the
-            same collective; if given, every rank raises where they differ between ranks, or where the
-            collective fails (a rank without UnevenJoin issued a different one).
+            same collective with ``facts``; if given, every rank raises where they differ between ranks, or where
+            the collective fails (a rank without UnevenJoin issued a different one).
+        facts: what this rank's own objects decide about the collectives that follow
+            (:class:`~composer_join.core.settings.Facts`), sent with ``settings``.
 
     Returns:
-        ``(shared, check_overflow, own_lens)``: the shared length (None if some rank's is unknown),
+        ``(shared, check_overflow, own_lens, facts)``: the shared length (None if some rank's is unknown),
         whether the shared length is the full longest ``len()`` (so batches past it would be lost),
-        and every rank's own length.
+        every rank's own length, and every rank's facts (none without ``settings``).
     """
+    facts = facts if facts is not None else Facts()
+    extra = [*settings, *facts.row()] if settings else []
     table, work = _exchange_rows(
-        [-1 if own_len is None else own_len, -1 if current_len is None else current_len, *settings], to_device
+        [-1 if own_len is None else own_len, -1 if current_len is None else current_len, *extra], to_device
     )
     try:
         work.wait()
@@ -254,12 +259,11 @@ def agree_on_length(
         if not settings:
             raise
         raise mismatch_error(f'{type(e).__name__}: {e}') from e
-    if settings:
-        check_settings(table.cpu()[:, 2:].tolist())
+    every = check_settings(table.cpu()[:, 2:].tolist(), facts.label) if settings else []
     own_lens, cur_lens = ([int(v) for v in column] for column in table.cpu().T[:2])
     shared = max(cur_lens) if min(cur_lens) >= 0 else None
     check_overflow = shared is not None and own_lens == cur_lens
-    return shared, check_overflow, [None if n < 0 else n for n in own_lens]
+    return shared, check_overflow, [None if n < 0 else n for n in own_lens], every
 
 
 def _exchange_rows(row: list[int], to_device: Callable[[torch.Tensor], torch.Tensor]):

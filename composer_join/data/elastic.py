@@ -35,7 +35,7 @@ from typing import Any, Optional, cast
 
 from torch.utils.data import DataLoader, DistributedSampler
 
-from composer_join.data.positions import Position
+from composer_join.data.positions import Kind, Position
 from composer_join.data.sampler import ExactDistributedSampler
 
 __all__ = [
@@ -138,6 +138,10 @@ class GlobalOrderPosition(Position):
     def __init__(self, target: Any, dataloader: Any, order: GlobalOrder, layout: Optional[dict[str, Any]] = None):
         super().__init__(target, dataloader)
         self.order, self.layout = order, layout
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.GLOBAL_ORDER if self.layout is None else Kind.REST
 
     def save(self, used: int) -> Any:
         return {'order': asdict(self.order), 'layout': self.layout}

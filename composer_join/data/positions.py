@@ -17,7 +17,10 @@ methods; the train dataloader is looked up first, then its dataset:
 
 A data class of one's own gets an adapter with :func:`register_position`. Who calls what, and when:
 
-* :func:`position_for` builds the adapter once per ``fit()``, at ``FIT_START``, from the train dataloader;
+* :func:`position_for` builds the adapter once per ``fit()``, at ``FIT_START``, from the train dataloader; its
+  :class:`Kind` travels in the fit's first agreement, and :func:`agreed_position` keeps it where every rank's
+  kind is the same, else replays every rank's data (so that whether positions are gathered at a checkpoint is
+  decided alike on every rank, never by one rank's ``num_workers`` or shuffle buffer);
 * the innermost reader of the user's dataloader (the join's loader, or a rebalancer beneath it) calls
   :meth:`Position.open` on every epoch's fresh iterator and reads the batches it returns (the same ones);
 * :class:`~composer_join.data.resume.RankPositions` calls :meth:`Position.save` on every rank when Composer
@@ -34,9 +37,10 @@ from __future__ import annotations
 
 import abc
 import copy
+import enum
 import logging
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -45,6 +49,7 @@ from composer.utils import dist
 from composer_join.core.errors import UnevenInputsError
 
 __all__ = [
+    'Kind',
     'LitDataPosition',
     'LoaderPosition',
     'Position',
@@ -52,8 +57,10 @@ __all__ = [
     'Replay',
     'SampleCountPosition',
     'TrailPosition',
+    'agreed_position',
     'hugging_face_position',
     'keeps_state',
+    'kind_of',
     'left_to_composer',
     'litdata_position',
     'position_for',
@@ -61,6 +68,41 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+class Kind(enum.IntEnum):
+    """How a rank's train data keeps its position (:func:`kind_of`), as the fit's first agreement carries it.
+
+    Whether the ranks' positions are gathered at a checkpoint (one ``all_gather_object``), and whether Composer
+    spins the resumed epoch, follow from it: where the ranks' kinds differ, :func:`agreed_position` replays
+    every rank's data.
+    """
+
+    NONE = 0
+    """No position of its own: Composer replays the epoch to the step (spinning)."""
+    REPLAY = 1
+    """A position UnevenJoin knows but replays (:class:`Replay`)."""
+    OWN = 2
+    """Its own position, every rank's kept in UnevenJoin's checkpoint entry (gathered at checkpoints)."""
+    GLOBAL_ORDER = 3
+    """A global-order sampler's description (:mod:`composer_join.data.elastic`; gathered at checkpoints)."""
+    COMPOSER = 4
+    """Registered as Composer's to resume (mosaicml-streaming: one global sample space)."""
+    UNREGISTERED = 5
+    """``state_dict`` and ``load_state_dict``, no adapter: left to Composer (its rank-0 ``dataset_state``)."""
+    REST = 6
+    """The rest of an epoch resumed on another world size (:mod:`composer_join.data.elastic`)."""
+
+
+_KIND_WORDS = {
+    Kind.NONE: 'no position of its own (replayed)',
+    Kind.REPLAY: 'replayed',
+    Kind.OWN: 'its own position',
+    Kind.GLOBAL_ORDER: "its DistributedSampler's order",
+    Kind.COMPOSER: 'left to Composer',
+    Kind.UNREGISTERED: 'left to Composer (a state_dict UnevenJoin does not know)',
+    Kind.REST: 'the rest of an epoch resumed on another world size',
+}
 
 
 @dataclass(frozen=True)
@@ -97,6 +139,13 @@ class Position(abc.ABC):
 
     def __init__(self, target: Any, dataloader: Any):
         self.target, self.dataloader = target, dataloader
+
+    @property
+    def kind(self) -> Kind:
+        """How it keeps the position, for the first agreement (:func:`kind_of`)."""
+        if self.elastic:
+            return Kind.GLOBAL_ORDER
+        return Kind.OWN if self.resumes_itself else Kind.REPLAY
 
     @property
     def workers(self) -> int:
@@ -323,41 +372,96 @@ def _lookup(obj: Any) -> tuple[bool, Optional[Factory]]:
     return False, None
 
 
-def position_for(dataloader: Any, dataset: Any, replay: bool = False) -> Optional[Position]:
+def position_for(dataloader: Any, dataset: Any) -> Optional[Position]:
     """The adapter for this rank's train data (the dataloader first, then its dataset), or None (left to Composer).
 
-    ``replay``: the position cannot be read as the batches are (rebalancing without ``len()`` reads ahead into
-    buffers no checkpoint holds): a recognised object is replayed (:class:`Replay`) instead. A dataset that has
-    ``state_dict`` and ``load_state_dict`` but no adapter is left to Composer as stock Composer treats it (its
-    rank-0 ``dataset_state``); rank 0 warns once per class.
+    A dataset that has ``state_dict`` and ``load_state_dict`` but no adapter is left to Composer as stock Composer
+    treats it (its rank-0 ``dataset_state``; :class:`Kind` ``UNREGISTERED``; :func:`agreed_position` warns).
     """
     for target in (dataloader, dataset):
         if target is None:
             continue
         registered, adapter = _lookup(target)
-        if not registered:
-            continue
-        position = None if adapter is None else adapter(target, dataloader)
-        if replay and position is not None and position.resumes_itself:
-            why = 'rebalancing without len() reads ahead into buffers that a checkpoint does not hold'
-            position = Replay(target, dataloader, why)
-        if isinstance(position, Replay):
-            log.info('UnevenJoin: %s is replayed on resumption (%s).', type(target).__name__, position.why)
-        return position
-    if dataset is not None and _has_state(dataset) and type(dataset) not in _WARNED:
-        _WARNED.add(type(dataset))
-        if dist.get_global_rank() == 0:
-            cls = type(dataset)
-            warnings.warn(
-                f'UnevenJoin does not know how {cls.__module__}.{cls.__qualname__} keeps its position (it has '
-                "state_dict and load_state_dict): it is left to Composer, which saves rank 0's dataset state, "
-                'calling state_dict(num_samples, from_beginning) with the global sample count, and loads it into '
-                "every rank's dataset. If each rank's dataset keeps its own position, register an adapter: "
-                "composer_join.register_position(YourDataset, composer_join.SampleCountPosition) for Composer's "
-                'protocol, or a composer_join.Position subclass of your own (docs/data-pipelines.md).',
-                stacklevel=2,
-            )
+        if registered:
+            return None if adapter is None else adapter(target, dataloader)
     return None
+
+
+def kind_of(position: Optional[Position], dataloader: Any, dataset: Any) -> Kind:
+    """How this rank's train data keeps its position: its adapter's :attr:`Position.kind`, or (no adapter) who
+    resumes it."""
+    if position is not None:
+        return position.kind
+    if left_to_composer(dataloader, dataset):
+        return Kind.COMPOSER
+    return Kind.UNREGISTERED if dataset is not None and _has_state(dataset) else Kind.NONE
+
+
+def agreed_position(
+    position: Optional[Position], kinds: Sequence[int], dataloader: Any, dataset: Any, replay: bool = False
+) -> Optional[Position]:
+    """This rank's adapter, now that every rank's :func:`kind_of` is known (the fit's first agreement).
+
+    ``position`` where every rank's kind is the same; else a :class:`Replay` on every rank (Composer spins the epoch,
+    its rank-0 ``dataset_state`` is left out of checkpoints: every rank resumes alike), and rank 0 warns naming each
+    rank's kind. The rest of an epoch resumed on another world size on some ranks only stops every rank. ``replay``
+    (the same on every rank): the position cannot be read as the batches are (rebalancing without ``len()`` reads
+    ahead into buffers no checkpoint holds): one that resumes itself is replayed. Called on every rank with the same
+    ``kinds``; no collective.
+    """
+    rank = dist.get_global_rank()
+    if len(set(kinds)) > 1:
+        position = _replay_every_rank(position, kinds, dataloader, dataset)
+    elif kinds and kinds[rank] == Kind.UNREGISTERED:
+        _warn_unregistered(dataset)
+    if replay and position is not None and position.resumes_itself:
+        why = 'rebalancing without len() reads ahead into buffers that a checkpoint does not hold'
+        position = Replay(position.target, dataloader, why)
+    if isinstance(position, Replay):
+        log.info('UnevenJoin: %s is replayed on resumption (%s).', type(position.target).__name__, position.why)
+    return position
+
+
+def _replay_every_rank(position: Optional[Position], kinds: Sequence[int], dataloader: Any, dataset: Any) -> Replay:
+    """:func:`agreed_position` where the ranks' kinds differ: this rank's :class:`Replay`; rank 0 warns."""
+    held = {Kind(k): [r for r, other in enumerate(kinds) if other == k] for k in dict.fromkeys(kinds)}
+    ranks = '; '.join(f'rank(s) {rs}: {_KIND_WORDS[k]}' for k, rs in held.items())
+    if Kind.REST in held:
+        raise UnevenInputsError(
+            f"resuming mid-epoch on another world size, the ranks' train data keep their positions differently "
+            f'({ranks}); each rank must be given its share of what no rank had trained. Give every rank the same kind '
+            f'of train data, or resume at an epoch boundary.',
+        )
+    if dist.get_global_rank() == 0:
+        warnings.warn(
+            f"UnevenJoin: the ranks' train data keep their positions differently ({ranks}), from settings of their "
+            f"own (a DataLoader's num_workers, a shuffle buffer, a sampler, the dataset's class): every rank's is "
+            f"replayed on resumption instead (Composer spins the epoch to the checkpoint's step, and its rank-0 "
+            f'dataset_state is left out), which is exact for data that iterates the same way every time. Give every '
+            f'rank the same kind of data to resume from positions.',
+            stacklevel=3,
+        )
+    target = position.target if position is not None else dataset if dataset is not None else dataloader
+    return Replay(target, dataloader, f'the ranks keep their positions differently ({ranks})')
+
+
+def _warn_unregistered(dataset: Any) -> None:
+    """On rank 0, once per class: ``dataset`` has a position UnevenJoin does not know, left to Composer."""
+    cls = type(dataset)
+    if cls in _WARNED or dist.get_global_rank() != 0:
+        return
+    _WARNED.add(cls)
+    warnings.warn(
+        f'UnevenJoin does not know how {cls.__module__}.{cls.__qualname__} keeps its position (it has state_dict and '
+        "load_state_dict): it is left to Composer, as stock Composer treats it. Composer saves rank 0's dataset "
+        'state, calling state_dict(num_samples, from_beginning) with the global sample count, and loads it into '
+        "every rank's dataset: where each rank's dataset holds a shard of its own, a run resumed mid-epoch starts "
+        "every rank at rank 0's position, and the ranks then run short (or long). Register an adapter: "
+        "composer_join.register_position(YourDataset, composer_join.SampleCountPosition) for Composer's protocol "
+        '(each rank is given its own sample count), or a composer_join.Position subclass of your own '
+        '(docs/data-pipelines.md).',
+        stacklevel=3,
+    )
 
 
 def left_to_composer(dataloader: Any, dataset: Any) -> bool:

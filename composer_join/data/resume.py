@@ -16,11 +16,14 @@ Hugging Face ``datasets.IterableDataset``, a dataset registered with Composer's 
 what the object is speaks its protocol (:mod:`composer_join.data.positions`), and :class:`RankPositions`
 keeps *every rank's own* position in UnevenJoin's checkpoint entry: Composer would save rank 0's dataset state
 only (calling ``state_dict(num_samples, from_beginning)`` with the global count, which litdata's and Hugging
-Face's signatures refuse with ``TypeError``) and load it into every rank's dataset. One ``all_gather_object``
-each time Composer saves a checkpoint (``State.state_dict()``, which Composer calls on every rank), nothing
-otherwise. On resuming, each rank loads its own entry at ``FIT_START``, before the first batch is read, and
-Composer then does not spin the dataloader. Sharded checkpoints carry the same entries (UnevenJoin's state is
-the same on every rank). A checkpoint written by 0.1.0 (with Composer's ``dataset_state``) resumes the same way.
+Face's signatures refuse with ``TypeError``) and load it into every rank's dataset. The positions are gathered
+(one ``all_gather_object``) on every rank at the points every rank reaches alike: Composer's checkpoint events
+where its ``CheckpointSaver`` saves (before it saves) and ``FIT_END`` (a save after ``fit()``); ``State.state_dict()``
+then reads them and is not collective, so one rank may call it alone. A ``state_dict()`` at another point holds
+none (it warns; a run resumed from it mid-epoch stops with an error). On resuming, each rank loads its own entry at
+``FIT_START``, before the first batch is read, and Composer then does not spin the dataloader. Sharded checkpoints
+carry the same entries (UnevenJoin's state is the same on every rank). A checkpoint written by 0.1.0 (with
+Composer's ``dataset_state``) resumes the same way.
 
 What :class:`~composer_join.UnevenJoin` saves (:func:`snapshot`) and loads (:func:`restore`): the
 finished epochs' reports, the current epoch's partial report (so the report after a resume
@@ -46,6 +49,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
@@ -111,12 +115,14 @@ class RankPositions:
 
     Args:
         state: the trainer's state (its ``timestamp.sample_in_epoch`` tells an epoch boundary, 0, from the middle).
-        position: this rank's adapter (:func:`~composer_join.data.positions.position_for`).
+        position: this rank's adapter, as the ranks agreed (:func:`~composer_join.data.positions.agreed_position`).
 
     The reader of the user's dataloader opens it with :meth:`open`. :meth:`gather` is collective: call it on
-    every rank, as Composer's ``State.state_dict()`` is. Composer's own rank-0 ``dataset_state`` is left out of
-    checkpoints while a fit runs (except for Composer's protocol, whose signature it calls correctly; a sharded
-    checkpoint's load expects it): :meth:`close` puts it back (Composer's ``State``, the trainer's own).
+    every rank at the same points (Composer's checkpoint events where a checkpoint is saved, ``FIT_END``);
+    :meth:`entries` reads what it gathered, on one rank alone if need be (``State.state_dict()``). Composer's own
+    rank-0 ``dataset_state`` is left out of checkpoints while a fit runs (except for Composer's protocol, whose
+    signature it calls correctly; a sharded checkpoint's load expects it): :meth:`close` puts it back (Composer's
+    ``State``, the trainer's own).
     """
 
     def __init__(self, state: State, position: Position):
@@ -125,6 +131,13 @@ class RankPositions:
         self._left_out = position.leaves_out_composer_state and 'dataset_state' in state.serialized_attributes
         if self._left_out:
             state.serialized_attributes.remove('dataset_state')
+        self._gathered: Optional[tuple[tuple[int, ...], list[dict[str, Any]]]] = None  # (when, every rank's)
+        self._warned = False
+
+    @property
+    def gathers(self) -> bool:
+        """Whether checkpoints hold every rank's position (the data resumes itself, or names a global order)."""
+        return self.position.resumes_itself or self.position.elastic
 
     def close(self) -> None:
         """Composer's ``dataset_state`` back in its checkpoints (at the end of the fit)."""
@@ -143,15 +156,23 @@ class RankPositions:
         self._resumed_at = 0
         return self.position.open(dataloader, Reading(count, used, start))
 
-    def gather(self, progress: Progress) -> Optional[list[dict[str, Any]]]:
-        """Per rank: ``{'trained', 'used', 'sent', 'ended', 'dataset'}`` (its position). One ``all_gather_object``.
+    def _now(self) -> tuple[int, ...]:
+        ts = self.state.timestamp
+        return int(ts.epoch), int(ts.batch), int(ts.batch_in_epoch), int(ts.sample_in_epoch)
 
-        ``progress``: this rank's, now. None (no collective) where the adapter replays instead. If some rank
-        cannot give its position, every rank raises :class:`UnevenInputsError` (that rank with why).
+    def gather(self, progress: Progress, strict: bool = True) -> None:
+        """Every rank's ``{'trained', 'used', 'sent', 'ended', 'dataset'}`` (its position) now, kept for :meth:`entries`.
+
+        Collective: one ``all_gather_object`` where :attr:`gathers` (the same on every rank: agreed) and none was
+        made at this timestamp yet; call it on every rank at the same points. ``progress``: this rank's, now. If some
+        rank cannot give its position, every rank raises :class:`UnevenInputsError` (that rank with why), or, not
+        ``strict``, keeps nothing (:meth:`entries` then has none for now).
         """
-        if not (self.position.resumes_itself or self.position.elastic):
-            return None
-        mid = int(self.state.timestamp.sample_in_epoch) > 0
+        now = self._now()
+        if not self.gathers or (self._gathered is not None and self._gathered[0] == now):
+            return
+        self._gathered = None
+        mid = now[3] > 0
         try:
             used = progress.used if mid else 0
             mine: dict[str, Any] = {
@@ -166,6 +187,8 @@ class RankPositions:
             mine, error = {'error': str(e)}, e
         gathered = dist.all_gather_object(mine)
         failed = [r for r, entry in enumerate(gathered) if 'error' in entry]
+        if failed and not strict:
+            return
         if error is not None:
             raise error
         if failed:
@@ -173,7 +196,29 @@ class RankPositions:
                 f'rank(s) {failed} cannot save the position of their train data in this checkpoint: '
                 f'{gathered[failed[0]]["error"]}'
             )
-        return gathered
+        self._gathered = (now, gathered)
+
+    def entries(self) -> tuple[Optional[list[dict[str, Any]]], bool]:
+        """``(every rank's position, unsaved)`` for a checkpoint now, on this rank alone (no collective).
+
+        The positions :meth:`gather` kept at this timestamp; None where the data keeps none, and where
+        :meth:`gather` made none now (a ``state_dict()`` outside Composer's checkpoint events and ``FIT_END``): then
+        ``unsaved`` is True, and this rank warns once.
+        """
+        if not self.gathers:
+            return None, False
+        if self._gathered is not None and self._gathered[0] == self._now():
+            return self._gathered[1], False
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                "UnevenJoin.state_dict() was called outside Composer's checkpoint events (where its CheckpointSaver "
+                'saves, save_interval) and the end of fit(): the train data keeps a position of its own on each rank, '
+                "which every rank gathers at those points only, so this state holds no rank's position; a run resumed "
+                'from it mid-epoch stops with an error.',
+                stacklevel=3,
+            )
+        return None, True
 
     def load(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
         """Load this rank's entry of ``saved`` into its data; return the entry. Raises the same on every rank.
@@ -202,12 +247,14 @@ def snapshot(
     ranks: Optional[list[dict[str, Any]]] = None,
     epoch_done: bool = False,
     groups: Optional[Sequence[Sequence[int]]] = None,
+    positions_unsaved: bool = False,
 ) -> dict[str, Any]:
     """What UnevenJoin puts in its ``state_dict``: plain data, the same on every rank.
 
-    ``ranks``: :meth:`RankPositions.gather`'s per-rank positions, if the data keeps its own.
+    ``ranks``: :meth:`RankPositions.entries`' per-rank positions, if the data keeps its own.
     ``epoch_done``: the step just trained was the epoch's last (a checkpoint of it is an epoch boundary).
     ``groups``: the data-parallel members' ranks (:class:`~composer_join.core.layout.Layout`), if not one per rank.
+    ``positions_unsaved``: the data keeps positions, but none were gathered for this state (:meth:`RankPositions.entries`).
     """
     return {
         'world_size': dist.get_world_size(),
@@ -217,6 +264,7 @@ def snapshot(
         'ranks': ranks,
         'epoch_done': epoch_done,
         'groups': None if groups is None else [list(g) for g in groups],
+        'positions_unsaved': positions_unsaved,
     }
 
 
@@ -238,6 +286,8 @@ class Resumed:
     """It was saved after the epoch's last batch (before ``EPOCH_END``)."""
     groups: Optional[tuple[tuple[int, ...], ...]] = None
     """The data-parallel members' ranks under tensor parallelism (None: one per rank, or unknown)."""
+    positions_unsaved: bool = False
+    """The data kept positions, but this state was taken where none were gathered (:meth:`RankPositions.entries`)."""
 
 
 def restore(saved: dict[str, Any]) -> Resumed:
@@ -256,6 +306,7 @@ def restore(saved: dict[str, Any]) -> Resumed:
         world_size=None if world is None else int(world),
         epoch_done=bool(saved.get('epoch_done', False)),
         groups=None if saved.get('groups') is None else tuple(tuple(int(r) for r in g) for g in saved['groups']),
+        positions_unsaved=bool(saved.get('positions_unsaved', False)),
     )
 
 

@@ -13,8 +13,8 @@ event                     what happens (:class:`~composer_join.join.session.Run`
 ``EPOCH_START``           reshuffle a ``DistributedSampler``; lift Composer's ``dataloader_len`` cap
                           for the epoch's loop (:func:`~composer_join.join.loader.lift_cap`)
 ``BEFORE_DATALOADER``     put the cap back once the loop has started (schedules read it)
-``AFTER_DATALOADER``      only where other algorithms run at it: a shadow step's stand-in for them;
-                          every step: the ranks' counts again (:mod:`composer_join.interop.replan`)
+``AFTER_DATALOADER``      only where some rank's trainer has other algorithms: a shadow step's stand-in
+                          for those that run; every step: the counts again (:mod:`composer_join.interop.replan`)
 ``BEFORE_TRAIN_BATCH``    wrapper: new step
 ``BEFORE_FORWARD``        shadow or real (:class:`~composer_join.join.microbatches.Microbatches`); the
                           wrapper makes a stand-in inert, or it runs on a two-sample template
@@ -24,9 +24,10 @@ event                     what happens (:class:`~composer_join.join.session.Run`
 ``AFTER_BACKWARD``        wrapper: syncing and buffers back; a stand-in's metrics kept out
 ``AFTER_TRAIN_BATCH``     metrics back, list states made syncable (:mod:`composer_join.interop.metrics`)
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
-``*_CHECKPOINT``          wrapper (DDP): buffers equal on every rank before a checkpoint is saved
-``FIT_END``               wrapper (DDP): buffers equal at the end of ``fit``; Composer's checkpointed
-                          attributes as they were
+``*_CHECKPOINT``          before a checkpoint is saved: wrapper (DDP): buffers equal on every rank;
+                          every rank's position in its data gathered (:mod:`composer_join.data.resume`)
+``FIT_END``               wrapper (DDP): buffers equal at the end of ``fit``; the positions gathered;
+                          Composer's checkpointed attributes as they were
 ``EVAL_START``            wrap this evaluator's dataloader the same way, lift the cap; wrapper part
 ``EVAL_BATCH_START``      automatic microbatching: keep the metric states, for a retry after an OOM
 ``EVAL_BEFORE_FORWARD``   a retry: metric states back; shadow or real, as in training
@@ -141,8 +142,8 @@ class UnevenJoin(Algorithm):
     some rank, that small one on every step. A shadow step is inert (``docs/shadow-steps.md``): under DDP
     it runs no model code, only DDP's collectives; where the forward communicates (``SyncBatchNorm``) a
     forward and backward on zero samples; under FSDP on two template samples, with a zero loss.
-    A step where another algorithm runs at ``AFTER_DATALOADER`` (it may reshape the batch) costs one
-    all-gather of two integers per rank more (:mod:`composer_join.interop.replan`).
+    Where some rank's trainer has another algorithm (it may reshape the batch at ``AFTER_DATALOADER``), every
+    step costs one all-gather of two integers per rank more (:mod:`composer_join.interop.replan`).
 
     Example::
 
@@ -228,9 +229,10 @@ class UnevenJoin(Algorithm):
     def state_dict(self) -> dict[str, Any]:
         """Saved in Composer checkpoints: the epoch reports (the current one partial) and the wrapper's state.
 
-        With train data that keeps its own position, also every rank's own position: then this is
-        collective (one ``all_gather_object``), as Composer's ``State.state_dict()`` is under FSDP:
-        Composer calls it on every rank.
+        With train data that keeps its own position, also every rank's own position, as gathered on every rank
+        at Composer's checkpoint event before the save (or at ``FIT_END``). Not collective: one rank may call it
+        alone; where nothing was gathered for the current step, it holds no position and warns
+        (:meth:`composer_join.data.resume.RankPositions.entries`).
         """
         if self._run is not None:
             run = self._run.saved()
@@ -242,6 +244,7 @@ class UnevenJoin(Algorithm):
                 'ranks': resumed.ranks if resumed else None,
                 'epoch_done': resumed.epoch_done if resumed else False,
                 'groups': resumed.groups if resumed else None,
+                'positions_unsaved': resumed.positions_unsaved if resumed else False,
             }
         return {**super().state_dict(), **snapshot(self.reports, **run)}
 
@@ -256,6 +259,20 @@ class UnevenJoin(Algorithm):
 
     def match(self, event: Event, state: State) -> bool:
         return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
+
+    @property
+    def regathers_counts(self) -> bool:
+        """Whether ``AFTER_DATALOADER`` re-gathers the step's counts on every step, for :mod:`composer_join.join.passes`:
+        some rank's trainer has other algorithms (agreed at ``FIT_START``)."""
+        return self._run is not None and self._run.regathers_counts
+
+    def stands_in(self, others: bool) -> bool:
+        """For :mod:`composer_join.join.passes` at ``AFTER_DATALOADER``: whether other algorithms (``others``) run
+        on a shadow step here, so that UnevenJoin first puts the stand-in in place for them."""
+        if self._run is None:
+            return False
+        self._run.others_at_dataloader = others
+        return others and self.is_shadow_step
 
     def shadows_microbatch(self, event: Event) -> bool:
         """Whether the current microbatch is a stand-in; for :func:`composer_join.join.passes.join_pass`, at its events."""
@@ -300,6 +317,7 @@ class UnevenJoin(Algorithm):
                     settings,
                     self.reports,
                     resumed,
+                    self,
                 )
         return self._active
 

@@ -91,7 +91,9 @@ from composer_join.core.plan import (
     steps_planned_from_lengths,
 )
 from composer_join.core.report import EpochReport
+from composer_join.core.settings import Facts
 from composer_join.core.source import IDLE, BatchSource, Failed, OwnBatches
+from composer_join.data.positions import Kind
 from composer_join.data.resume import Progress, RankPositions, Start
 from composer_join.data.sampler import shard_by_layout
 from composer_join.interop.metrics import MetricStates
@@ -183,6 +185,7 @@ class _Iteration:
     """What one iteration (an epoch, an evaluation) keeps; a new one at every start."""
 
     steps: int = 0  # steps yielded so far
+    first: int = 0  # the step it started at (nonzero: an epoch resumed mid-way, not spun)
     trained: int = 0  # own real samples yielded (-1: uncountable)
     ended: bool = False  # ended by agreement (no rank has data left), or at once (finished on resume)
     finished_on_resume: bool = False  # its epoch was trained before a checkpoint: it read nothing
@@ -221,6 +224,10 @@ class JoinLoader:
         layout: the data-parallel members (:class:`~composer_join.core.layout.Layout`; default: every rank its own).
             Under tensor parallelism every step is agreed, the ranks of a member must hold the same batch
             (:meth:`~composer_join.core.layout.Layout.check_rows`), and the report counts members.
+        others: some rank's trainer has algorithms besides UnevenJoin (the first agreement): every step's
+            ``AFTER_DATALOADER`` re-gathers the counts (:mod:`composer_join.interop.replan`).
+        unregistered: train only: every rank's data has a position UnevenJoin does not know, left to Composer (its
+            rank-0 ``dataset_state``, loaded into every rank's dataset): an epoch resumed from it that runs short says so.
     """
 
     def __init__(
@@ -238,8 +245,11 @@ class JoinLoader:
         earlier: Optional[JoinLoader] = None,
         report: Optional[EpochReport] = None,
         layout: Optional[Layout] = None,
+        others: bool = False,
+        unregistered: bool = False,
     ):
         self.layout = layout if layout is not None else Layout.flat(dist.get_world_size())
+        self.others, self.unregistered = others, unregistered
         self.source, self.dataloader = source, source.dataloader
         self.describe, self.lengths = describe, lengths
         self.throw_on_early_termination = throw_on_early_termination
@@ -419,7 +429,7 @@ class JoinLoader:
         batches = self.source.epoch(first - self.lengths.offset, self._open)
         # a position loaded where this rank's data had ended may start the library's next epoch: read nothing
         exhausted = ended_before and self.source.ends_with_own_data
-        now = self._now = _Iteration(steps=first, trained=trained_before, exhausted=exhausted)
+        now = self._now = _Iteration(steps=first, first=first, trained=trained_before, exhausted=exhausted)
         may_go_beyond, self.uncapped = self.uncapped, False
         planned = self.planned_steps
         step = first
@@ -571,12 +581,26 @@ class JoinLoader:
         )
 
     def _short_error(self, ranks: list[int], step: int) -> UnevenInputsError:
-        """The error for dataloaders that ended after ``step`` batches, before their ``len()``."""
-        return UnevenInputsError(
+        """The error for dataloaders that ended after ``step`` batches, before their ``len()``; in an epoch resumed
+        from a position left to Composer, the likelier cause."""
+        short = (
             f'the dataloader of rank(s) {ranks} ran out after {step} batches in epoch {self.epoch}, fewer '
-            f'than its len() promised (this rank: len() {self.own_length}); the epoch length, and so schedules '
-            f"and durations, would silently be wrong. Make __len__ of each rank's dataset match what it yields, "
-            f'or remove __len__.',
+            f'than its len() promised (this rank: len() {self.own_length})'
+        )
+        if self.unregistered and self._now.first > 0:
+            dataset = type(getattr(self.dataloader, 'dataset', None)).__name__
+            return UnevenInputsError(
+                f'{short}, in an epoch resumed from batch {self._now.first}. The position of the train data '
+                f'({dataset}) was left to Composer: UnevenJoin does not know its state_dict, so Composer saved rank '
+                f"0's dataset state (state_dict(num_samples, from_beginning) with the global sample count) and loaded "
+                f"it into every rank's dataset, which puts each rank's own shard at the wrong place. If each rank's "
+                f'dataset holds a shard of its own, register it: composer_join.register_position({dataset}, '
+                f"composer_join.SampleCountPosition) for Composer's protocol (each rank is given its own count), or "
+                f'a composer_join.Position subclass of your own (docs/data-pipelines.md).',
+            )
+        return UnevenInputsError(
+            f'{short}; the epoch length, and so schedules and durations, would silently be wrong. Make __len__ of '
+            f"each rank's dataset match what it yields, or remove __len__.",
         )
 
     def _fetch(self, batches: Iterator[Any], step: int) -> tuple[Any, RankStatus, Optional[BaseException]]:
@@ -680,8 +704,9 @@ def join_dataloader(
     microbatch_size: Any = None,
     rebalance: bool = False,
     settings: Sequence[int] = (),
+    facts: Optional[Facts] = None,
     install: Callable[[Changes], None] = lambda changes: None,
-    positions: Callable[[BatchSource], Optional[RankPositions]] = lambda source: None,
+    positions: Callable[[BatchSource, list[Facts]], Optional[RankPositions]] = lambda source, facts: None,
     start: Optional[Callable[[], Start]] = None,
     report: Optional[EpochReport] = None,
     dataloader: Optional[Iterable] = None,
@@ -689,18 +714,20 @@ def join_dataloader(
     offset: int = 0,
     unsized: bool = False,
     layout: Optional[Layout] = None,
-) -> JoinLoader:
+) -> Optional[JoinLoader]:
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
-    Called on every rank at the same point (fit or evaluation start): one collective to agree on
-    the longest rank's length. ``cached``, a loader made earlier (for the same dataloader: what was learned from
+    Called on every rank at the same point (fit, evaluation or ``predict()`` start): one collective to agree on
+    the longest rank's length, which also carries every rank's ``settings`` and ``facts``
+    (:class:`~composer_join.core.settings.Facts`); None (nothing wrapped) where every rank's dataloader repeats
+    samples to even out the shards (``facts.repeats``: Composer's evaluation drops the repeats). ``cached``, a loader made earlier (for the same dataloader: what was learned from
     it is kept, :class:`Learned`), is :class:`JoinLoader`'s ``earlier``. ``throw`` is ``throw_on_early_termination``. Microbatch counts are predicted with
     ``microbatch_size`` (an evaluator's, or a callable giving the size in force), by default the train
     microbatch size in force. ``rebalance``: ``mode='rebalance'`` (:func:`batch_source` picks the source).
     ``settings``: UnevenJoin's (:func:`composer_join.core.settings.row`), checked to be the same on every
     rank in the same collective. ``install(changes)``: the algorithm's changes for each iteration, made
-    through ``changes`` (:attr:`JoinLoader.opened`). ``positions(source)``: the per-rank positions of train
-    data that keeps one, for the chosen source. ``start`` and ``report``: :class:`JoinLoader`'s. ``dataloader``:
+    through ``changes`` (:attr:`JoinLoader.opened`). ``positions(source, facts)``: the per-rank positions of train
+    data that keeps one, for the chosen source, from every rank's facts. ``start`` and ``report``: :class:`JoinLoader`'s. ``dataloader``:
     this one instead of ``state.dataloader``, with Composer's cap ``length`` (default: its whole length), whose
     first batch is step ``offset`` of the epoch (the rest of an epoch resumed on another world size). ``unsized``: its length is not
     known (the rest of an epoch a dataset resumed itself on another world size): every step agreed. ``layout``: the
@@ -729,7 +756,11 @@ def join_dataloader(
     current = None if unsized else current
     if rebalance and own_len is not None and current is not None:
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
-    shared, check_overflow, own_lens = agree_on_length(own_len, current, state.device.tensor_to_device, settings)
+    shared, check_overflow, own_lens, every = agree_on_length(
+        own_len, current, state.device.tensor_to_device, settings, facts
+    )
+    if every and all(f.repeats for f in every):
+        return None
     label = state.dataloader_label
     check_lengths(layout, own_lens, label)
     if microbatch_size is None:
@@ -765,11 +796,13 @@ def join_dataloader(
         microbatch_size=size,
         opened=lambda: _opened(spec, opening),
         label=label,
-        positions=positions(source),
+        positions=positions(source, every),
         start=start,
         earlier=cached,
         report=report,
         layout=layout,
+        others=any(f.others for f in every),
+        unregistered=bool(every) and all(f.position == Kind.UNREGISTERED for f in every),
     )
     state.set_dataloader(loader, label, -1 if lengths.shared is None else lengths.shared)
     log.info(

@@ -12,9 +12,10 @@ reverse) and lets *algorithm passes* reorder that list per event (``composer/cor
   last: it puts the two-sample stand-in in place for the others (SelectiveBackprop's extra forward
   is a collective under FSDP, and under DDP broadcasts buffers, so it must run on every rank), then
   takes the zero-sample batch back, so Composer still counts and splits zero samples;
-* on every step's ``AFTER_DATALOADER`` where other algorithms run, UnevenJoin runs last and
-  re-agrees the ranks' sample and microbatch counts, which they may have changed
-  (:mod:`composer_join.interop.replan`); where none runs, UnevenJoin does not run either;
+* on every step's ``AFTER_DATALOADER`` where some rank's trainer has other algorithms (agreed at ``FIT_START``:
+  the same on every rank, whatever each algorithm matches on each rank), UnevenJoin runs last and re-agrees the
+  ranks' sample and microbatch counts, which they may have changed (:mod:`composer_join.interop.replan`); where no
+  rank's trainer has another algorithm, UnevenJoin does not run there either;
 * ``BEFORE_BACKWARD`` and ``AFTER_*``: UnevenJoin runs last, so the gradient weight it puts on
   ``state.loss`` survives algorithms that rewrite the loss (MixUp's and CutMix's
   ``interpolate_loss``) and it cleans up after the others;
@@ -55,8 +56,10 @@ def join_pass(algorithms: Sequence[Algorithm], event: Event) -> Sequence[Algorit
         return algorithms
     join.pass_seen = True
     others = [a for a in algorithms if a is not join]
-    if event == Event.AFTER_DATALOADER:  # with others only: the stand-in first, then the new counts (replan)
-        return ([join, *others, join] if join.is_shadow_step else [*others, join]) if others else []
+    if event == Event.AFTER_DATALOADER:  # some rank has others: the stand-in first where they run, the new counts
+        if not join.regathers_counts:
+            return others
+        return [join, *others, join] if join.stands_in(bool(others)) else [*others, join]
     if event in MICROBATCH_EVENTS and join.shadows_microbatch(event):
         return [join]
     return [*others, join] if event in _LAST else [join, *others]

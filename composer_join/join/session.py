@@ -32,9 +32,11 @@ from torch.utils.data import DataLoader
 
 from composer_join.core import compat
 from composer_join.core.changes import Changes
+from composer_join.core.errors import UnevenInputsError
 from composer_join.core.layout import trainer_layout
 from composer_join.core.plan import StepPlan
 from composer_join.core.report import EpochReport
+from composer_join.core.settings import SHADOW_WAYS, Facts
 from composer_join.core.source import BatchSource
 from composer_join.data.elastic import (
     GlobalOrder,
@@ -43,7 +45,14 @@ from composer_join.data.elastic import (
     one_epoch_loader,
     remaining_for,
 )
-from composer_join.data.positions import Position, keeps_state, left_to_composer, position_for
+from composer_join.data.positions import (
+    Position,
+    agreed_position,
+    keeps_state,
+    kind_of,
+    left_to_composer,
+    position_for,
+)
 from composer_join.data.resume import RankPositions, Resumed, check_world_size, train_position
 from composer_join.interop.closures import agree_on_closures
 from composer_join.interop.predict import empty_outputs
@@ -78,6 +87,8 @@ class Run:
             its settings row (:func:`composer_join.core.settings.row`), compared across ranks.
         reports: the algorithm's list of finished epochs' reports (appended to at ``EPOCH_END``).
         resumed: what a checkpoint gave, if Composer loaded one before this start.
+        algorithm: the :class:`~composer_join.UnevenJoin` whose run this is (the trainer's other algorithms are the
+            ones besides it).
     """
 
     def __init__(
@@ -89,8 +100,9 @@ class Run:
         settings_row: list[int],
         reports: list[EpochReport],
         resumed: Optional[Resumed],
+        algorithm: Any = None,
     ):
-        self.state = state
+        self.state, self.algorithm = state, algorithm
         self.mode, self.divide, self.throw = mode, divide_by_initial_world_size, throw_on_early_termination
         self.settings_row, self.reports, self.resumed = settings_row, reports, resumed
         self.rank = dist.get_global_rank()
@@ -102,6 +114,7 @@ class Run:
         self.evals: list[JoinLoader] = []  # the evaluators' loaders, while their dataloaders are the trainer's
         self.positions: Optional[RankPositions] = None
         self.cap: Any = None  # Composer's train dataloader_len, lifted at EPOCH_START until BEFORE_DATALOADER
+        self.others_at_dataloader = False  # other algorithms run at this step's AFTER_DATALOADER, here (the pass)
         # () -> the train loader of the epochs after the rest of an epoch resumed elastically (made at its end)
         self.after_epoch: Optional[Callable[[], JoinLoader]] = None
         self.microbatches = Microbatches(self.plan, self.rank, lambda: self.loader, state.device.tensor_to_device)
@@ -116,12 +129,26 @@ class Run:
             self.microbatches.start(self.state)
         return self.microbatches.shadow
 
+    @property
+    def regathers_counts(self) -> bool:
+        """Whether every step's ``AFTER_DATALOADER`` re-gathers the counts: some rank's trainer has other algorithms
+        (agreed in the fit's first agreement, so the same on every rank, whatever each algorithm matches)."""
+        return self.train is not None and self.train.others
+
+    def _facts(self, state: State, **facts: Any) -> Facts:
+        """This rank's :class:`~composer_join.core.settings.Facts` at a start event, for its first agreement."""
+        others = sum(1 for a in state.algorithms if a is not self.algorithm)
+        return Facts(others=others, label=state.dataloader_label or 'train', **facts)
+
     # -- starts and ends ---------------------------------------------------------------------------
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self._close_iterations(self.train, *self.evals, self.loader)  # of a run that raised: none goes on now
         self.cap = None  # (a run that raised between EPOCH_START and BEFORE_DATALOADER left it lifted)
         resumed, self.resumed = self.resumed, None
+        unsaved = resumed is not None and resumed.positions_unsaved and self._mid_epoch(state, resumed)
+        if unsaved and resumed.world_size not in (None, dist.get_world_size()):
+            raise _unsaved_positions(state)
         rest = self._rest_of_epoch(state, resumed)  # this rank's share of an epoch resumed elastically
         resized = check_world_size(resumed, state, rest is not None, self.layout)  # else raises mid-epoch
         # the checkpoint of an epoch's last batch, on another world size: that epoch ends with no batch
@@ -138,6 +165,8 @@ class Run:
             report = resumed.current if resumed is not None and (finished or not resized) else None
             self.train = self.loader = self._train_loader(state, finished=finished, report=report)
         self.positions = self.train.positions
+        if unsaved and self.positions is not None and self.positions.position.resumes_itself:
+            raise _unsaved_positions(state)
         # a position the data keeps itself, on the same world size: each rank its own
         positions, saved = self.positions, resumed.ranks if resumed is not None and not resized else None
         if positions is not None and positions.position.resumes_itself and saved is not None:
@@ -162,14 +191,19 @@ class Run:
             dataloader = one_epoch_loader(cast(DataLoader, state.train_dataloader), rest.indices, rest.order)
         elif cap is not None:
             dataloader = state.train_dataloader
-        return join_dataloader(
+        # this rank's position adapter as its data is; the ranks agree on it in the length agreement
+        user = state.train_dataloader
+        candidate = self._own_position(state, rest)
+        kind = kind_of(candidate, user, compat.dataset_of(state, user))
+        loader = join_dataloader(
             state,
             self.train,
             self.throw,
             rebalance=self.mode == 'rebalance',
             settings=self.settings_row,
+            facts=self._facts(state, position=int(kind), shadow=SHADOW_WAYS.index(self.wrapper.shadow_way_name(state))),
             install=lambda changes: self._install_train(state, changes),
-            positions=lambda source: self._rank_positions(state, source, rest),
+            positions=lambda source, facts: self._rank_positions(state, source, candidate, facts),
             start=lambda: train_position(state, finished),
             # (at a boundary on another world size, the report of a finished epoch of the old ranks is not this one)
             report=report,
@@ -179,6 +213,13 @@ class Run:
             unsized=rest is not None and rest.indices is None,
             layout=self.layout,
         )
+        assert loader is not None  # (only an evaluation's dataloader can be left to Composer)
+        return loader
+
+    @staticmethod
+    def _mid_epoch(state: State, resumed: Resumed) -> bool:
+        """The checkpoint resumed was saved mid-epoch (not after an epoch's last batch)."""
+        return int(state.timestamp.batch_in_epoch) > 0 and not resumed.epoch_done
 
     def _rest_of_epoch(self, state: State, resumed: Optional[Resumed]) -> Optional[Rest]:
         """This rank's share of the samples no rank had used, where a mid-epoch checkpoint of data sharded by a
@@ -232,30 +273,40 @@ class Run:
         self.wrapper.install(changes, state, self.plan)
         agree_on_closures(state.optimizers, lambda: self.microbatches.shadow_step, changes)
 
-    def _rank_positions(
-        self, state: State, source: BatchSource, rest: Optional[Rest] = None
-    ) -> Optional[RankPositions]:
-        """Per-rank positions for train data that keeps its own, or is sharded by a global-order sampler (None:
-        left to Composer), read through ``source``; ``rest``: the rest of an epoch resumed elastically."""
+    def _own_position(self, state: State, rest: Optional[Rest] = None) -> Optional[Position]:
+        """This rank's adapter for train data that keeps its own position, or is sharded by a global-order sampler
+        (None: left to Composer, or nothing to keep), as its own data is; ``rest``: the rest of an epoch resumed
+        elastically. The ranks then agree on it (:meth:`_rank_positions`)."""
         # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader (left untouched).
         dataloader = state.train_dataloader
         dataset = compat.dataset_of(state, dataloader)
         reused = self.positions.position if self.positions is not None else None
         if rest is not None and rest.order is not None:
-            position: Optional[Position] = GlobalOrderPosition(dataloader, dataloader, rest.order, rest.layout)
-        elif reused is not None and reused.resumes_itself and reused.target in (dataloader, dataset):
-            position = reused  # a second fit() on the same data: it knows what it loaded into it
-        else:
-            position = position_for(dataloader, dataset, replay=source.reads_ahead)
-            global_order = position is None and not keeps_state(dataset) and self.layout.tp == 1
-            order = GlobalOrder.of(dataloader) if global_order else None
+            return GlobalOrderPosition(dataloader, dataloader, rest.order, rest.layout)
+        if reused is not None and reused.resumes_itself and reused.target in (dataloader, dataset):
+            return reused  # a second fit() on the same data: it knows what it loaded into it
+        position = position_for(dataloader, dataset)
+        if position is None and not keeps_state(dataset) and self.layout.tp == 1:
+            order = GlobalOrder.of(dataloader)
             if order is not None:
                 position = GlobalOrderPosition(dataloader, dataloader, order)
+        return position
+
+    def _rank_positions(
+        self, state: State, source: BatchSource, candidate: Optional[Position], facts: list[Facts]
+    ) -> Optional[RankPositions]:
+        """The per-rank positions the ranks agreed on, from every rank's ``facts`` (None: left to Composer), read
+        through ``source``: this rank's ``candidate`` where every rank's kind is the same, else every rank replays."""
+        dataloader = state.train_dataloader
+        kinds = [f.position for f in facts]
+        replay = source.reads_ahead  # the same on every rank (the rebalancer comes from the agreed lengths)
+        position = agreed_position(candidate, kinds, dataloader, compat.dataset_of(state, dataloader), replay)
         return None if position is None else RankPositions(state, position)
 
     def fit_end(self, state: State, logger: Logger) -> None:
         self.wrapper.fit_end(state)
-        if self.positions is not None:
+        if self.positions is not None:  # every rank: a checkpoint saved after fit() holds the positions
+            self._gather_positions(strict=False)
             self.positions.close()
 
     def _close_iterations(self, *loaders: Optional[JoinLoader]) -> None:
@@ -268,25 +319,32 @@ class Run:
         """At an evaluation's or ``predict()``'s start: no other one goes on (the train iteration may: a fit's)."""
         self._close_iterations(*self.evals, self.loader if self.loader is not self.train else None)
 
+    def _gather_positions(self, strict: bool = True) -> None:
+        """Every rank's position now, for a checkpoint (:meth:`RankPositions.gather`): call on every rank alike."""
+        if self.positions is not None and self.train is not None:
+            self.positions.gather(self.train.progress(), strict)
+
     def eval_start(self, state: State, logger: Logger) -> None:
         self._close_evaluations()
         label = state.dataloader_label
-        if pads_by_repeating(state.dataloader):
-            # torch's DistributedSampler evens shards out by repeating samples, and Composer's eval
-            # loop removes exactly those repeats: nothing is uneven, leave it to Composer.
-            self.loader = None
-            return
         evaluator = next((e for e in state.evaluators if e.label == label), None)
         # what was learned from this dataloader object before (never from another under the same label)
         earlier = next((loader for loader in self.evals if loader.dataloader is state.dataloader), None)
-        self.loader = join_dataloader(
+        loader = join_dataloader(
             state,
             earlier,
             microbatch_size=(lambda: evaluator.device_eval_microbatch_size) if evaluator is not None else None,
             settings=self.settings_row,
+            facts=self._facts(state, repeats=pads_by_repeating(state.dataloader)),
             install=lambda changes: self.wrapper.install_eval(changes, state, self.plan),
             layout=self.layout,
         )
+        if loader is None:
+            # every rank's DistributedSampler evens shards out by repeating samples, and Composer's eval
+            # loop removes exactly those repeats: nothing is uneven, leave it to Composer.
+            self.loader = None
+            return
+        self.loader = loader
         # kept while an evaluator reads its dataloader (an eval(eval_dataloader=...)'s goes with it)
         dataloaders = [e.dataloader.dataloader for e in state.evaluators if isinstance(e.dataloader, DataSpec)]
         kept = [loader for loader in self.evals if loader is not earlier and _among(loader.dataloader, dataloaders)]
@@ -298,15 +356,16 @@ class Run:
     def predict_start(self, state: State, logger: Logger) -> None:
         """``Trainer.predict()``: every rank predicts its whole shard; ranks that run out shadow (no outputs)."""
         self._close_evaluations()
-        if pads_by_repeating(state.dataloader):
-            self.loader = None  # torch's DistributedSampler: evened out by repeats, Composer's business
-            return
         self.loader = join_dataloader(
             state,
             microbatch_size=-1,
+            settings=self.settings_row,
+            facts=self._facts(state, repeats=pads_by_repeating(state.dataloader)),
             install=lambda changes: self.wrapper.install_eval(changes, state, self.plan),
             layout=self.layout,
         )
+        if self.loader is None:  # torch's DistributedSampler on every rank: evened out by repeats, Composer's business
+            return
         lift_cap(state, self.loader)
         self.wrapper.eval_start(state, self.plan)
 
@@ -327,9 +386,11 @@ class Run:
             state.dataloader_len, self.cap = self.cap, None
 
     def after_dataloader(self, state: State, logger: Logger) -> None:
-        """Only where other algorithms run at it (:mod:`composer_join.join.passes`): a shadow step's stand-in for
-        them, first and last; every step: the ranks' counts again, which they may have changed."""
-        if self.microbatches.shadow_step and self.microbatches.stand_in_for_others(state):
+        """Only where some rank's trainer has other algorithms (:mod:`composer_join.join.passes`): a shadow step's
+        stand-in for those that run here, first and last; every step: the ranks' counts again, which they may have
+        changed (on every rank, whatever each algorithm matches)."""
+        stands_in = self.others_at_dataloader and self.microbatches.shadow_step
+        if stands_in and self.microbatches.stand_in_for_others(state):
             return
         samples, microbatches = self.loader.describe(state.batch)
         self.loader.plan = replan(self.plan(), samples, microbatches, state.device.tensor_to_device)
@@ -349,9 +410,11 @@ class Run:
             self.loader, self.positions = self.train, self.train.positions
 
     def checkpoint(self, state: State, logger: Logger, event: Event) -> None:
-        """A ``*_CHECKPOINT`` event at which a checkpoint is saved: the wrapper makes its contents equal on every rank."""
-        if checkpoint_due(state, event):
+        """A ``*_CHECKPOINT`` event at which a checkpoint is saved: the wrapper makes its contents equal on every rank,
+        and every rank's position is gathered for it (``State.state_dict()`` then only reads them)."""
+        if checkpoint_due(state, event):  # the same on every rank: Composer's save is collective too (its RNG states)
             self.wrapper.before_checkpoint(state)
+            self._gather_positions()
 
     # -- a training step ---------------------------------------------------------------------------
 
@@ -411,7 +474,7 @@ class Run:
     # -- checkpoints -------------------------------------------------------------------------------
 
     def saved(self) -> dict[str, Any]:
-        """What this run puts in UnevenJoin's checkpoint entry (collective where positions are gathered)."""
+        """What this run puts in UnevenJoin's checkpoint entry; no collective (the positions were gathered before)."""
         loader, resumed = self.train, self.resumed
         if loader is None:  # no fit yet: what a checkpoint gave, unchanged
             return {
@@ -420,16 +483,31 @@ class Run:
                 'ranks': resumed.ranks if resumed is not None else None,
                 'epoch_done': resumed.epoch_done if resumed is not None else False,
                 'groups': self.layout.tp_groups,
+                'positions_unsaved': resumed.positions_unsaved if resumed is not None else False,
             }
+        ranks, unsaved = self.positions.entries() if self.positions is not None else (None, False)
         return {
             'current': loader.report,
             'wrapper': self.wrapper.state_dict(),
-            'ranks': self.positions.gather(loader.progress()) if self.positions is not None else None,
+            'ranks': ranks,
             'epoch_done': loader.epoch_done(),
             'groups': self.layout.tp_groups,
+            'positions_unsaved': unsaved,
         }
 
 
 def _among(obj: Any, objects: Iterable[Any]) -> bool:
     """Whether ``obj`` is one of ``objects`` (by identity: a dataloader may compare equal to another)."""
     return any(obj is o for o in objects)
+
+
+def _unsaved_positions(state: State) -> UnevenInputsError:
+    """The error for a mid-epoch resume from a state saved where no rank's position was gathered."""
+    return UnevenInputsError(
+        f'the checkpoint resumed (batch {int(state.timestamp.batch_in_epoch)} of epoch {int(state.timestamp.epoch)}) '
+        "was saved by a state_dict() call outside Composer's checkpoint events (where its CheckpointSaver saves, "
+        'save_interval) and the end of fit(): its train data keeps a position of its own on each rank, and this '
+        'checkpoint holds none, so the ranks cannot resume this epoch where they were. Resume from a checkpoint '
+        "Composer's CheckpointSaver saved (save_folder, save_interval) or one saved after fit(), or at an epoch "
+        'boundary.',
+    )

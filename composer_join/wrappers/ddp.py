@@ -58,6 +58,7 @@ __all__ = [
     'broadcast_buffers_from',
     'shadow_way',
     'sync_buffers',
+    'way_name',
 ]
 
 
@@ -258,13 +259,19 @@ class NoModelCode(ShadowWay):
         return ShadowWay(self.loss_shape)
 
 
+def way_name(ddp: DistributedDataParallel) -> str:
+    """The name of the :class:`ShadowWay` :func:`shadow_way` picks for ``ddp`` (no side effect)."""
+    if skippable(ddp) is None:
+        return NoModelCode.name
+    return ZeroSamples.name if forward_communicates(ddp.module) else ShadowWay.name
+
+
 def shadow_way(ddp: DistributedDataParallel) -> ShadowWay:
     """The way shadow microbatches of ``ddp`` run, decided once per DDP object (see :class:`DDPWrapper`)."""
-    if skippable(ddp) is None:
+    name = way_name(ddp)
+    if name == NoModelCode.name:
         return NoModelCode(DDPShadow(ddp, ddp.module, ddp.device))
-    if forward_communicates(ddp.module):
-        return ZeroSamples()
-    return ShadowWay()
+    return ZeroSamples() if name == ZeroSamples.name else ShadowWay()
 
 
 class DDPWrapper(Wrapper):
@@ -306,6 +313,9 @@ class DDPWrapper(Wrapper):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._source.rank = int(state.get('buffer_source', 0))
+
+    def shadow_way_name(self, state: State) -> str:
+        return self.way.name if state.model is self._hooked else way_name(state.model)
 
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         ddp = state.model

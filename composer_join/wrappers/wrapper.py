@@ -70,6 +70,12 @@ class Wrapper:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Called once the wrapper is chosen, with what :meth:`state_dict` saved (``{}`` without a checkpoint)."""
 
+    def shadow_way_name(self, state: State) -> str:
+        """How this rank's shadow microbatches of a fit will run (one of
+        :data:`composer_join.core.settings.SHADOW_WAYS`); asked before :meth:`fit_start`, for the first agreement
+        (the collectives a shadow microbatch issues follow from it: it must be the same on every rank)."""
+        return 'none'
+
     def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         """``plan()`` gives the current step's plan whenever a training step or an evaluation batch runs."""
 

@@ -6,9 +6,13 @@ UnevenJoin agrees on each rank's samples and microbatches when the dataloader yi
 ``train_sequence_length_scaling`` reshapes ``4 x 16`` tokens into ``16 x 4``, SelectiveBackprop
 keeps a fraction of the samples. The predicted microbatch counts are then wrong, and with them the
 gradient syncs (DDP) and the padding (FSDP) that depend on them. :func:`replan` runs after those
-algorithms, on every rank, on every step where some algorithm ran at ``AFTER_DATALOADER``
-(:mod:`composer_join.join.passes` decides that the same way on every rank), and gathers each rank's
-actual counts. Cost on such steps: one all-gather of two integers per rank.
+algorithms, on every rank, on every step where some rank's trainer has other algorithms (a fact of the
+first agreement, :class:`~composer_join.core.settings.Facts`: never what an algorithm matches on one rank):
+
+* on a step planned without an agreement (:attr:`~composer_join.core.plan.StepPlan.agreed` False, the same on
+  every rank) only this rank's own counts are known, and only they are renewed: no collective (whoever needs the
+  others' counts there agrees on them itself, as FSDP's padding does);
+* on an agreed step every rank's counts are gathered again: one all-gather of two integers per rank.
 """
 
 from __future__ import annotations
@@ -29,8 +33,19 @@ def replan(
     samples: int,
     microbatches: int,
     to_device: Callable[[torch.Tensor], torch.Tensor],
+    rank: int,
 ) -> StepPlan:
-    """``plan`` with every rank's (samples, microbatches) as the ranks' batches now are; this rank's are given."""
+    """``plan`` with the ranks' (samples, microbatches) as their batches now are; this rank's (``rank``) are given.
+
+    Example (a planned step: no collective):
+        >>> from composer_join.core.plan import RankStatus, plan_from_lengths
+        >>> plan = plan_from_lengths(0, 1, RankStatus(True, 8, 2), 2)
+        >>> replan(plan, 4, 1, lambda t: t, rank=1).statuses[1].samples
+        4
+    """
+    if not plan.agreed:
+        own = dataclasses.replace(plan.statuses[rank], samples=samples, microbatches=microbatches)
+        return dataclasses.replace(plan, statuses=tuple(own if r == rank else s for r, s in enumerate(plan.statuses)))
     mine = to_device(torch.tensor([samples, microbatches], dtype=torch.int64))
     gathered = dist.all_gather(mine)
     statuses = tuple(

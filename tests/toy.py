@@ -50,6 +50,7 @@ class Deep(torch.nn.Module):
 
     ``checkpoint``: None (plain), ``'reentrant'`` or ``'non_reentrant'``: ``torch.utils.checkpoint`` around
     ``block`` (the same numbers). ``talk``: a module run after ``inp`` (none here; the ranks may put one in).
+    ``skip_below``: ``block`` is skipped on batches of fewer samples (a branch the data chooses).
     """
 
     def __init__(self):
@@ -59,12 +60,15 @@ class Deep(torch.nn.Module):
         self.out = torch.nn.Linear(8, CLASSES)
         self.talk: torch.nn.Module | None = None
         self.checkpoint: str | None = None
+        self.skip_below = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
         if self.talk is not None:
             h = self.talk(h)
-        if self.checkpoint is None:
+        if len(x) < self.skip_below:
+            pass
+        elif self.checkpoint is None:
             h = self.block(h)
         else:
             h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.checkpoint == 'reentrant')

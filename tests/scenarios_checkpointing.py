@@ -10,8 +10,9 @@ Not a test module. Models:
 * the tiny GPT-2 of :mod:`reference_hf` with Hugging Face's ``gradient_checkpointing_enable()`` (reentrant, as
   transformers 4.51 defaults), with and without a PEFT LoRA adapter (``HuggingFaceModel(peft_config=...)``).
 
-Every function returns the trained parameters, the samples trained and the error (its type and message) if the
-fit raised, with or without UnevenJoin (``cfg['join']`` None: stock Composer).
+Every function returns the trained parameters, the samples trained, the error (its type and message) if the fit
+raised, and how many of UnevenJoin's hooks are left on the model after it, with or without UnevenJoin
+(``cfg['join']`` None: stock Composer).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from torch.utils.data import DataLoader
 
 import reference_hf
 from composer_join import UnevenJoin
+from composer_join.wrappers.fsdp import GradientUnits
 from rank_scenarios import AsksForUnusedParameters, ToyModel, make_loader, make_optimizer, quiet_trainer
 from reference_hf import collate, lora_config, make_gpt2, train_shard
 from scenarios_fsdp import cpu_fsdp_workarounds, full_params
 from scenarios_hf import Sequences
+from scenarios_undo import RaiseAt
 
 
 class Talk(torch.nn.Module):
@@ -61,8 +64,18 @@ def _parallelism(cfg: dict) -> Optional[dict]:
     }
 
 
+def hooks_left(model: torch.nn.Module) -> int:
+    """UnevenJoin's hooks still on ``model``: autograd's on its parameters, forward pre-hooks on its modules."""
+    on_params = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())  # only UnevenJoin's here
+    ours = [h for m in model.modules() for h in m._forward_pre_hooks.values() if isinstance(h.__self__, GradientUnits)]
+    return on_params + len(ours)
+
+
 def _fit(cfg: dict, model: ComposerModel, loader: Any, optimizer: torch.optim.Optimizer) -> tuple[Trainer, Any]:
-    """Composer ``fit`` for ``cfg['epochs']``: the trainer, and the error the fit raised (as text) or None."""
+    """Composer ``fit`` for ``cfg['epochs']``: the trainer, and the error the fit raised (as text) or None.
+
+    ``raise_at``: ``(step, event)``, every rank raises there (:class:`scenarios_undo.RaiseAt`).
+    """
     join = [UnevenJoin()] if cfg.get('join') is not None else []
     trainer = quiet_trainer(
         model=model,
@@ -70,6 +83,7 @@ def _fit(cfg: dict, model: ComposerModel, loader: Any, optimizer: torch.optim.Op
         max_duration=f'{cfg["epochs"]}ep',
         optimizers=optimizer,
         algorithms=join + ([AsksForUnusedParameters()] if cfg.get('find_unused') else []),
+        callbacks=[RaiseAt(*cfg['raise_at'])] if cfg.get('raise_at') else [],
         parallelism_config=_parallelism(cfg),
     )
     if cfg.get('static_graph'):
@@ -98,7 +112,12 @@ def toy(cfg: dict) -> dict[str, Any]:
     trainer, error = _fit(cfg, model, make_loader(cfg, dist.get_global_rank()), make_optimizer(cfg, model.parameters()))
     params = full_params(trainer, 'deep') if error is None or cfg['wrapper'] == 'ddp' else {}
     trainer.close()
-    return {'error': error, 'params': params, 'samples': int(trainer.state.timestamp.sample)}
+    return {
+        'error': error,
+        'params': params,
+        'samples': int(trainer.state.timestamp.sample),
+        'hooks_left': hooks_left(model),
+    }
 
 
 def hf(cfg: dict) -> dict[str, Any]:
@@ -115,4 +134,9 @@ def hf(cfg: dict) -> dict[str, Any]:
     trainer, error = _fit(cfg, model, loader, reference_hf.optimizer_for(cfg, model.parameters()))
     trainer.close()
     params = {k: v.detach().clone() for k, v in model.model.named_parameters()}
-    return {'error': error, 'params': params, 'samples': int(trainer.state.timestamp.sample)}
+    return {
+        'error': error,
+        'params': params,
+        'samples': int(trainer.state.timestamp.sample),
+        'hooks_left': hooks_left(model),
+    }

@@ -17,7 +17,8 @@ a rank with no data; one launch per world size, and one for the scenarios that m
 do not, gloo aborts the processes). Under FSDP2, a reentrant segment that only some ranks' data
 runs must stop every rank with ``UnevenInputsError`` (FSDP2 reduce-scatters only the parameters with a gradient),
 as its non-reentrant twin does; before, the check read the segment as unused everywhere and gloo aborted.
-``find_unused_parameters`` with a reentrant segment is refused by DDP itself ("Expected to mark a variable ready
+No hook of UnevenJoin's stays on the model after a fit, nor after one that raises in the middle of a step
+whose hooks are on (``raises_mid_step``). ``find_unused_parameters`` with a reentrant segment is refused by DDP itself ("Expected to mark a variable ready
 only once", stock Composer alike), so it runs with ``static_graph`` here, as torch advises.
 docs/shadow-steps.md has the matrix, with stock Composer's column (``benchmarks/checkpointing.py``).
 """
@@ -29,7 +30,7 @@ import pytest
 import reference
 import reference_hf
 from harness import launch
-from rank_orders import with_rotations
+from rank_orders import expand, with_rotations
 from test_join_core import ok
 
 TOL = 1e-6
@@ -60,8 +61,11 @@ HF: dict[str, dict] = {
 STOPS: dict[str, dict] = {
     f'fsdp2_branch_{mode}': dict(TWO, wrapper='fsdp2', checkpoint=mode, skip_below=8) for mode in MODES
 }
-ALL = with_rotations({**SCENARIOS, **HF, **STOPS})
-EXACT = [n for n in ALL if n.split('@')[0] not in STOPS]
+# every rank raises after the loss of a step where the short rank shadows: the long rank's hooks are on then
+RAISES = {'raises_mid_step': dict(TWO, checkpoint='reentrant', static_graph=True, raise_at=(3, 'after_loss'))}
+ALL = with_rotations({**SCENARIOS, **HF, **STOPS, **RAISES})
+STOP_NAMES = [n for n in ALL if n.split('@')[0] in STOPS]
+EXACT = [n for n in ALL if n.split('@')[0] in {**SCENARIOS, **HF}]
 
 
 def calls_of(names: list[str], join: bool = True) -> list[tuple[str, str, dict]]:
@@ -77,14 +81,15 @@ def calls_of(names: list[str], join: bool = True) -> list[tuple[str, str, dict]]
 def runs() -> dict:
     results = {}
     for world in (2, 3):
-        results.update(launch(world, calls_of([n for n in EXACT if len(ALL[n]['shards']) == world]), timeout=600))
+        names = [n for n in ALL if n not in STOP_NAMES and len(ALL[n]['shards']) == world]
+        results.update(launch(world, calls_of(names), timeout=600))
     return results
 
 
 @pytest.fixture(scope='module')
 def stops() -> dict:
     """The scenarios that must stop every rank, in a launch of their own: where they do not, gloo aborts it."""
-    return launch(2, calls_of([n for n in ALL if n not in EXACT]), timeout=300)
+    return launch(2, calls_of(STOP_NAMES), timeout=300)
 
 
 def expected(name: str) -> dict:
@@ -104,11 +109,20 @@ def test_training_with_checkpointed_blocks_equals_one_process(runs, name):
         assert res['samples'] == sum(cfg['shards']) * cfg['epochs'], f'{name}: rank {rank} trained {res["samples"]}'
         diff = reference.max_abs_diff(res['params'], ref)
         assert diff < TOL, f'{name}: rank {rank} is {diff:.2e} from one process'
+        assert res['hooks_left'] == 0, f'{name}: rank {rank} keeps {res["hooks_left"]} of our hooks on the model'
 
 
-@pytest.mark.parametrize('name', [n for n in ALL if n.split('@')[0] in STOPS])
+@pytest.mark.parametrize('name', STOP_NAMES)
 def test_a_segment_only_some_ranks_run_stops_every_rank_under_fsdp2(stops, name):
     for rank, res in enumerate(ok(stops, name)):
         error = res['error'] or ''
         assert error.startswith('UnevenInputsError'), f'{name}: rank {rank}: {error or "trained"}'
         assert 'at step 2' in error and 'block.0.weight (used on 1 of 2 ranks)' in error, error
+        assert res['hooks_left'] == 0, f'{name}: rank {rank} keeps {res["hooks_left"]} of our hooks on the model'
+
+
+@pytest.mark.parametrize('name', expand(list(RAISES), ALL))
+def test_a_run_that_raises_mid_step_leaves_no_hook_behind(runs, name):
+    for rank, res in enumerate(ok(runs, name)):
+        assert (res['error'] or '').startswith('RuntimeError: raised at after_loss of step 3'), res['error']
+        assert res['hooks_left'] == 0, f'{name}: rank {rank} keeps {res["hooks_left"]} of our hooks on the model'

@@ -114,10 +114,11 @@ class UnusedParameters:
 
     Call :meth:`start_step` at every step; on the steps where :meth:`needed` (the same on every rank)
     :meth:`record` before each microbatch's backward (``shadow``: whether it is a shadow microbatch),
-    :meth:`pause` after it, and :meth:`finish` on every rank after its last microbatch's backward. ``changes``
-    (a :class:`~composer_join.core.changes.Changes`, the iteration's) undoes :meth:`stop` when the iteration ends,
-    also when the run raises. Cost, only on those steps: one hook per parameter tensor made and removed, one
-    Python call per parameter tensor per backward pass, and one all-reduce of one byte per parameter tensor.
+    :meth:`pause` after it, and :meth:`finish` on every rank after its last microbatch's backward. :meth:`attach`
+    it to each iteration's register of changes (:class:`~composer_join.core.changes.Changes`): undone, it removes
+    the hooks, also when the run raised mid-step. Cost, only on those steps: one hook per parameter tensor made and
+    removed, one Python call per parameter tensor per backward pass, and one all-reduce of one byte per parameter
+    tensor; none on other steps.
 
     Example:
         >>> import torch

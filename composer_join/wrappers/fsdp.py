@@ -61,8 +61,9 @@ class GradientUnits:
     The check must know before the backward which units the backward will give a gradient (a reduce-scatter),
     from two facts:
 
-    * the units whose gradient tensor the loss's autograd graph reaches (:func:`~composer_join.shadow.gradients.reached_leaves`), per parameter
-      as FSDP2 reduces, also where the use depends on the data (a branch only some samples take);
+    * the units whose gradient tensor the loss's autograd graph reaches
+      (:func:`~composer_join.shadow.gradients.reached_leaves`), per parameter as FSDP2 reduces, also where the use
+      depends on the data (a branch only some samples take);
     * the units a **reentrant activation-checkpointing segment** uses (``torch.utils.checkpoint(...,
       use_reentrant=True)``, Composer's ``activation_checkpointing`` with ``activation_checkpointing_reentrant``,
       Hugging Face's ``gradient_checkpointing_enable()``). Such a segment runs its forward with gradients off
@@ -71,14 +72,17 @@ class GradientUnits:
       pre-hook on every module that holds a unit's parameters (public ``register_forward_pre_hook``, on the
       iteration's register of changes) records the units of those that ran **with gradients off** while the
       microbatch's forward runs with them on, i.e. inside such a segment. Without this the check read those
-      units as unused on every rank: right where every rank runs the segment alike, and a hang in the
-      backward's reduce-scatter where only some ranks ran it (measured: ``tests/test_activation_checkpointing.py``).
+      units as unused on every rank: right where every rank runs the segment alike, but where only some ranks'
+      data runs it, their reduce-scatters did not match (FSDP2: gloo aborted;
+      ``tests/test_activation_checkpointing.py``).
 
-    A segment none of whose inputs requires a gradient gives its parameters none at all (torch warns); its
-    units still read as used here, so if only some ranks ran it, every rank stops with the error. The prediction
-    is not checked after the backward: a rank whose backward reduce-scattered other units than the others'
-    already hung or failed in that backward (NCCL, gloo), and a check there would cost every backward a hook per
-    unit and a collective more, for a case only a segment without gradient inputs on some ranks only can make.
+    Where it errs: a segment none of whose inputs requires a gradient gives its parameters none at all (torch
+    warns), yet its units read as used here, so if only some ranks run such a segment, every rank stops with the
+    error although the backward would have matched. The prediction is not checked again after the backward: had
+    it been wrong the other way, the ranks' backward collectives would not have matched, which hangs (NCCL) or
+    aborts (gloo) in that backward already, before a check could run; only units of equal size could pass
+    silently there, and to see that every backward would need a hook per unit and every microbatch a collective
+    more.
 
     Cost per microbatch: a walk over the loss's autograd graph (about 1 us per node in Python: 0.4 ms for a
     12-layer transformer encoder), one Python call per forward of a module holding a unit's parameters, and one
@@ -89,20 +93,20 @@ class GradientUnits:
         names = {id(p): n for n, p in model.named_parameters()}
         self._fsdp1: list[tuple[str, Any]] = []  # (names, flat parameter)
         self._fsdp2: list[tuple[str, Callable[[], Any]]] = []  # (name, () -> its unsharded parameter)
-        fsdp1_modules: list[list[torch.nn.Module]] = []  # per FSDP1 unit, the modules holding its parameters
+        unit_modules: list[list[torch.nn.Module]] = []  # per FSDP1 unit, the modules holding its parameters
         fsdp2_index: dict[int, int] = {}  # id of an FSDP2 sharded parameter -> its unit's index among FSDP2's
         for module in model.modules():
             if isinstance(module, FullyShardedDataParallel):
                 flat = compat.fsdp1_flat_param(module)
                 if flat is not None:
                     self._fsdp1.append(flat)
-                    fsdp1_modules.append(compat.fsdp1_modules(flat[1]))
+                    unit_modules.append(compat.fsdp1_modules(flat[1]))
             elif isinstance(module, FSDPModule):
                 for sharded, fqn, unsharded in compat.fsdp2_params(module):
                     fsdp2_index[id(sharded)] = len(self._fsdp2)
                     self._fsdp2.append((names.get(id(sharded), fqn), unsharded))
         self._owners: dict[torch.nn.Module, set[int]] = {}  # a module -> the units its own parameters are in
-        for unit, modules in enumerate(fsdp1_modules):
+        for unit, modules in enumerate(unit_modules):
             for module in modules:
                 self._owners.setdefault(module, set()).add(unit)
         for module in model.modules():

@@ -39,6 +39,25 @@ def make_gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
+def lora_config():
+    """A PEFT LoRA adapter on GPT-2's attention projections (``Conv1D``, hence ``fan_in_fan_out``)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=2, lora_alpha=4, target_modules=['c_attn'], fan_in_fan_out=True, task_type='CAUSAL_LM')
+
+
+def make_lm(cfg: dict) -> torch.nn.Module:
+    """:func:`make_gpt2`, with a LoRA adapter from seed 1 if ``cfg['lora']`` (what Composer's ``HuggingFaceModel``
+    makes of it with ``peft_config=lora_config()`` after ``torch.manual_seed(1)``: only the adapter trains)."""
+    model = make_gpt2()
+    if not cfg.get('lora'):
+        return model
+    from peft import get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, lora_config())
+
+
 def sequences(seed: int, n: int, padded: bool) -> list[torch.Tensor]:
     """``n`` token sequences: all ``LENGTH`` long, or 2 to ``LENGTH`` long if ``padded``."""
     g = torch.Generator().manual_seed(seed)
@@ -83,7 +102,7 @@ def train(cfg: dict) -> dict[str, torch.Tensor]:
     """Parameters after training as ``cfg`` describes (UnevenJoin's semantics), in one process."""
     world, b, padded = len(cfg['shards']), cfg['batch_size'], cfg.get('tokens', False)
     divide = (cfg.get('join') or {}).get('divide_by_initial_world_size', True)
-    model = make_gpt2()
+    model = make_lm(cfg)
     model.train()
     optimizer = optimizer_for(cfg, model.parameters())
     per_rank = []

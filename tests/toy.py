@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 FEATURES, CLASSES, TOKENS = 6, 3, 4
 
@@ -25,6 +26,8 @@ def make_module(kind: str = 'mlp') -> torch.nn.Module:
         )
     if kind == 'branch':
         return Branchy()
+    if kind == 'deep':
+        return Deep()
     raise ValueError(kind)
 
 
@@ -40,6 +43,36 @@ class Branchy(torch.nn.Module):
         out = self.body(x)
         chosen = (y == 0).nonzero().flatten()
         return out.index_add(0, chosen, self.extra(x[chosen])) if len(chosen) else out
+
+
+class Deep(torch.nn.Module):
+    """``inp`` -> ``block`` (Linear, ReLU, Linear) -> ``out``: ``block`` is what activation checkpointing wraps.
+
+    ``checkpoint``: None (plain), ``'reentrant'`` or ``'non_reentrant'``: ``torch.utils.checkpoint`` around
+    ``block`` (the same numbers). ``talk``: a module run after ``inp`` (none here; the ranks may put one in).
+    ``skip_below``: ``block`` is skipped on batches of fewer samples (a branch the data chooses).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(FEATURES, 8)
+        self.block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+        self.out = torch.nn.Linear(8, CLASSES)
+        self.talk: torch.nn.Module | None = None
+        self.checkpoint: str | None = None
+        self.skip_below = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if self.talk is not None:
+            h = self.talk(h)
+        if len(x) < self.skip_below:
+            pass
+        elif self.checkpoint is None:
+            h = self.block(h)
+        else:
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.checkpoint == 'reentrant')
+        return self.out(torch.tanh(h))
 
 
 POOL = 1000  # samples per rank at most

@@ -18,7 +18,8 @@ torch DDP                ``_BufferCommHookLocation``, ``_register_buffer_comm_ho
                          ``_run_comm_hook``, ``_get_local_used_map``, ``_push_all_rebuilt_params``,
                          ``_reset_state`` (after a retried step); ``_use_python_reducer``,
                          ``_delay_all_reduce_all_params`` (configurations the stand-in does not cover)
-torch FSDP               FSDP1 ``_handle.flat_param`` and its ``_fqns``; FSDP2 ``_get_fsdp_state()``,
+torch FSDP               FSDP1 ``_handle.flat_param`` and its ``_fqns``, ``_param_infos``,
+                         ``_shared_param_infos``; FSDP2 ``_get_fsdp_state()``,
                          ``_fsdp_param_group``, ``_param_fqn``, ``_unsharded_param`` (gradient units)
 torch.distributed        ``_broadcast_coalesced`` (counted by ``CollectiveCounter``)
 torch process groups     ``_device_types``, ``wrapped_pg``, ``options._timeout`` (the transfer group's
@@ -57,6 +58,7 @@ __all__ = [
     'default_split_batch',
     'distributed_sampler',
     'fsdp1_flat_param',
+    'fsdp1_modules',
     'fsdp2_params',
     'group_timeout',
     'hf_shuffle_buffer',
@@ -236,6 +238,12 @@ def fsdp1_flat_param(module: Any) -> Optional[tuple[str, Any]]:
         return None
     flat = handle.flat_param
     return ', '.join(private(flat, '_fqns', 'torch')), flat
+
+
+def fsdp1_modules(flat: Any) -> list[Any]:
+    """The modules whose own parameters an FSDP1 flat parameter holds (a shared parameter's every module)."""
+    infos = [*private(flat, '_param_infos', 'torch'), *private(flat, '_shared_param_infos', 'torch')]
+    return [info.module for info in infos]
 
 
 def fsdp2_params(module: Any) -> Iterator[tuple[Any, str, Callable[[], Any]]]:

@@ -19,12 +19,14 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from composer.utils import dist
 
 from composer_join.core.batches import map_tensors
+from composer_join.core.changes import Changes
 
 __all__ = ['UnusedParameters', 'reached_leaves', 'scale_grad', 'share_grad_presence']
 
@@ -73,6 +75,10 @@ def share_grad_presence(
 def reached_leaves(loss: Any) -> set[int]:
     """``id`` of every tensor an ``AccumulateGrad`` node of ``loss``'s graph accumulates into (its parameters).
 
+    Known before the backward, but not complete: the parameters inside a reentrant activation-checkpointing
+    segment are not in the graph (the backward recomputes the segment and reaches them in a second backward
+    pass). :class:`~composer_join.wrappers.fsdp.GradientUnits` adds those from forward hooks;
+    :class:`UnusedParameters`, which can wait for the backward, asks autograd's per-parameter hooks instead.
     Cost: a walk over the graph, about 1 us per node in Python (0.4 ms for a 12-layer transformer encoder).
     """
     roots: list[Any] = []
@@ -96,15 +102,41 @@ class UnusedParameters:
     As in one process: an optimizer then leaves it and its momentum alone. A shadow microbatch that runs the
     model (on the template, or on zero samples where the forward communicates) reaches parameters with a
     zero-weighted loss, and DDP then gives them a zero gradient (so does torch's own join, and DDP under
-    ``static_graph``); this takes it back. Call :meth:`start_step` at every step, :meth:`after_loss` after each
-    microbatch's loss, and :meth:`finish` on every rank after its last microbatch's backward, on the steps where
-    :meth:`needed` (the same on every rank). Cost on those steps: a walk over each real microbatch's graph, and
-    one all-reduce of one byte per parameter tensor.
+    ``static_graph``); this takes it back.
+
+    Which parameters a real microbatch used, autograd tells: a hook on each parameter
+    (``Tensor.register_post_accumulate_grad_hook``) fires when the backward pass accumulates the parameter's
+    gradient, wherever that happens, also in the second backward pass a reentrant activation-checkpointing
+    segment (``torch.utils.checkpoint(..., use_reentrant=True)``, Hugging Face's ``gradient_checkpointing_enable()``)
+    runs for the parameters inside it, which no walk of the loss's graph reaches. The hooks record only while a
+    real microbatch's backward runs (:meth:`record`), and exist only on the steps that need them: made at the
+    first real microbatch's :meth:`record` of such a step, removed by :meth:`finish` (or :meth:`stop`).
+
+    Call :meth:`start_step` at every step; on the steps where :meth:`needed` (the same on every rank)
+    :meth:`record` before each microbatch's backward (``shadow``: whether it is a shadow microbatch),
+    :meth:`pause` after it, and :meth:`finish` on every rank after its last microbatch's backward. :meth:`attach`
+    it to each iteration's register of changes (:class:`~composer_join.core.changes.Changes`): undone, it removes
+    the hooks, also when the run raised mid-step. Cost, only on those steps: one hook per parameter tensor made and
+    removed, one Python call per parameter tensor per backward pass, and one all-reduce of one byte per parameter
+    tensor; none on other steps.
+
+    Example:
+        >>> import torch
+        >>> layer, extra = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+        >>> unused = UnusedParameters(list(layer.parameters()) + list(extra.parameters()))
+        >>> unused.start_step()
+        >>> unused.record(shadow=False)
+        >>> layer(torch.ones(1, 2)).sum().backward()
+        >>> unused.pause()
+        >>> sorted(unused.used_here())
+        [0, 1]
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter]):
         self.params = [p for p in params if p.requires_grad]
-        self._used: set[int] = set()
+        self._used: set[int] = set()  # indices into params
+        self._recording = False
+        self._hooks = Changes()
 
     @staticmethod
     def needed(plan: Any) -> bool:
@@ -112,14 +144,40 @@ class UnusedParameters:
         return bool(plan.joined_ranks) and all(s.samples >= 0 for s in plan.statuses)
 
     def start_step(self) -> None:
+        self.stop()
         self._used = set()
 
-    def after_loss(self, loss: Any, shadow: bool) -> None:
-        if not shadow:
-            self._used |= reached_leaves(loss)
+    def attach(self, changes: Changes) -> None:
+        """Remove the hooks when ``changes`` is undone (the iteration ended, or the run raised)."""
+        changes.call(self.stop)
+
+    def record(self, shadow: bool) -> None:
+        """Before a microbatch's backward on a step that needs it: record what it accumulates, unless ``shadow``."""
+        self._recording = not shadow
+        if self._recording and not len(self._hooks):  # a rank that only shadows makes none
+            for index, p in enumerate(self.params):
+                self._hooks.hook(p.register_post_accumulate_grad_hook(partial(self._accumulated, index)))
+
+    def _accumulated(self, index: int, _param: torch.Tensor) -> None:
+        if self._recording:
+            self._used.add(index)
+
+    def pause(self) -> None:
+        """After the microbatch's backward."""
+        self._recording = False
+
+    def used_here(self) -> set[int]:
+        """Indices (into :attr:`params`) of the parameters this rank's real microbatches gave a gradient so far."""
+        return set(self._used)
+
+    def stop(self) -> None:
+        """Remove the hooks; nothing is recorded until the next :meth:`record`."""
+        self._recording = False
+        self._hooks.undo()
 
     def finish(self, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
-        used = to_device(torch.tensor([id(p) in self._used for p in self.params], dtype=torch.uint8))
+        self.stop()
+        used = to_device(torch.tensor([i in self._used for i in range(len(self.params))], dtype=torch.uint8))
         dist.all_reduce(used, reduce_operation='MAX')
         for p, anywhere in zip(self.params, used.tolist()):
             if not anywhere:

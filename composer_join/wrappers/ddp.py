@@ -336,6 +336,7 @@ class DDPWrapper(Wrapper):
             self._probe.attach(changes)
         changes.call(self._microbatch.undo)  # a shadow microbatch the run left half-way
         changes.call(self._forget_step)  # a retried step is one of this iteration's
+        self._unused.attach(changes)  # its hooks on the parameters, on a step that needs them
         spec = compat.train_data_spec(state)
         if spec is not None:
             # Forwards that communicate ('zero'): every rank runs the step's largest microbatch count (the
@@ -409,12 +410,13 @@ class DDPWrapper(Wrapper):
     def after_loss(self, state: State, plan: StepPlan) -> None:
         if self._shadowing is None or self._shadowing.model_loss:  # the model's own (on the template: no data yet)
             self.way.loss_shape.record(state.loss)
-        if self._unused_needed(plan):
-            self._unused.after_loss(state.loss, shadow=self._shadowing is not None)
+        if self._unused_needed(plan):  # autograd's hooks record what a real microbatch's backward reaches
+            self._unused.record(shadow=self._shadowing is not None)
         self._oom.after_loss(state)
 
     def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
         self._oom.after_backward(state)  # automatic microbatching: before forced_sync's all-reduces
+        self._unused.pause()
         self._sync.after_backward(state.model, plan, state.optimizers, state.device.tensor_to_device)
         if self._sync.last and self._unused_needed(plan):  # every rank, once per step, after its last backward
             self._unused.finish(state.device.tensor_to_device)

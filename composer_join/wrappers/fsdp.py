@@ -11,7 +11,8 @@ to the same parameters on every rank. Three pieces see to that:
   microbatch costs a two-sample forward and backward with FSDP's usual all-gathers and
   reduce-scatters; no more memory than a real one.
 * :class:`GradientUnits`: FSDP has no ``find_unused_parameters``. After each microbatch's loss,
-  before its backward pass, the parameters its autograd graph reaches are compared across ranks
+  before its backward pass, the parameters it uses (those its autograd graph reaches, and those a reentrant
+  activation-checkpointing segment of its forward ran with) are compared across ranks
   (one all-reduce of one integer per gradient unit, on the host over gloo: no GPU sync); where they differ, every rank raises
   :class:`~composer_join.UnevenInputsError` instead of hanging in the reduce-scatter. A gradient
   unit is an FSDP1 flat parameter (parameters unused inside a used flat parameter get zeros, so
@@ -54,27 +55,83 @@ class GradientUnits:
 
     FSDP1: one flat parameter per FSDP instance (its reduce-scatter covers the whole flat
     parameter, zeros where a parameter had no gradient). FSDP2: one per parameter (its
-    reduce-scatter covers only parameters with a gradient). Call :meth:`check` on every rank
-    after a microbatch's loss, before its backward. Cost: a walk over the loss's autograd graph
-    (about 1 us per node in Python: 0.4 ms for a 12-layer transformer encoder) and one all-reduce
-    of ``4 * units`` bytes per microbatch.
+    reduce-scatter covers only parameters with a gradient). Call :meth:`watch` before each microbatch's forward
+    and :meth:`check` after its loss, before its backward, on every rank; :meth:`attach` once per iteration.
+
+    The check must know before the backward which units the backward will give a gradient (a reduce-scatter),
+    from two facts:
+
+    * the units whose gradient tensor the loss's autograd graph reaches
+      (:func:`~composer_join.shadow.gradients.reached_leaves`), per parameter as FSDP2 reduces, also where the use
+      depends on the data (a branch only some samples take);
+    * the units a **reentrant activation-checkpointing segment** uses (``torch.utils.checkpoint(...,
+      use_reentrant=True)``, Composer's ``activation_checkpointing`` with ``activation_checkpointing_reentrant``,
+      Hugging Face's ``gradient_checkpointing_enable()``). Such a segment runs its forward with gradients off
+      and keeps no graph of it: the loss's graph does not reach its parameters, which the backward recomputes
+      and gives a gradient later, in a second backward pass. Torch does tell which modules ran: a forward
+      pre-hook on every module that holds a unit's parameters (public ``register_forward_pre_hook``, on the
+      iteration's register of changes) records the units of those that ran **with gradients off** while the
+      microbatch's forward runs with them on, i.e. inside such a segment. Without this the check read those
+      units as unused on every rank: right where every rank runs the segment alike, but where only some ranks'
+      data runs it, their reduce-scatters did not match (FSDP2: gloo aborted;
+      ``tests/test_activation_checkpointing.py``).
+
+    Where it errs: a segment none of whose inputs requires a gradient gives its parameters none at all (torch
+    warns), yet its units read as used here, so if only some ranks run such a segment, every rank stops with the
+    error although the backward would have matched. The prediction is not checked again after the backward: had
+    it been wrong the other way, the ranks' backward collectives would not have matched, which hangs (NCCL) or
+    aborts (gloo) in that backward already, before a check could run; only units of equal size could pass
+    silently there, and to see that every backward would need a hook per unit and every microbatch a collective
+    more.
+
+    Cost per microbatch: a walk over the loss's autograd graph (about 1 us per node in Python: 0.4 ms for a
+    12-layer transformer encoder), one Python call per forward of a module holding a unit's parameters, and one
+    all-reduce of ``4 * units`` bytes.
     """
 
     def __init__(self, model: torch.nn.Module):
         names = {id(p): n for n, p in model.named_parameters()}
         self._fsdp1: list[tuple[str, Any]] = []  # (names, flat parameter)
         self._fsdp2: list[tuple[str, Callable[[], Any]]] = []  # (name, () -> its unsharded parameter)
+        unit_modules: list[list[torch.nn.Module]] = []  # per FSDP1 unit, the modules holding its parameters
+        fsdp2_index: dict[int, int] = {}  # id of an FSDP2 sharded parameter -> its unit's index among FSDP2's
         for module in model.modules():
             if isinstance(module, FullyShardedDataParallel):
                 flat = compat.fsdp1_flat_param(module)
                 if flat is not None:
                     self._fsdp1.append(flat)
+                    unit_modules.append(compat.fsdp1_modules(flat[1]))
             elif isinstance(module, FSDPModule):
                 for sharded, fqn, unsharded in compat.fsdp2_params(module):
+                    fsdp2_index[id(sharded)] = len(self._fsdp2)
                     self._fsdp2.append((names.get(id(sharded), fqn), unsharded))
+        self._owners: dict[torch.nn.Module, set[int]] = {}  # a module -> the units its own parameters are in
+        for unit, modules in enumerate(unit_modules):
+            for module in modules:
+                self._owners.setdefault(module, set()).add(unit)
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                if id(p) in fsdp2_index:
+                    self._owners.setdefault(module, set()).add(len(self._fsdp1) + fsdp2_index[id(p)])
+        self._watching = False  # the current microbatch's forward runs with gradients on
+        self._recomputed: set[int] = set()  # units a reentrant segment of this microbatch used
 
     def __len__(self) -> int:
         return len(self._fsdp1) + len(self._fsdp2)
+
+    def attach(self, changes: Changes) -> None:
+        """The forward pre-hooks that see reentrant segments, until ``changes`` is undone."""
+        for module in self._owners:
+            changes.hook(module.register_forward_pre_hook(self._ran))
+
+    def watch(self) -> None:
+        """Before a microbatch's forward: record the units its reentrant segments use."""
+        self._recomputed = set()
+        self._watching = torch.is_grad_enabled()
+
+    def _ran(self, module: torch.nn.Module, args: Any) -> None:
+        if self._watching and not torch.is_grad_enabled():
+            self._recomputed |= self._owners[module]
 
     def _leaves(self) -> list[Any]:
         """The tensors autograd accumulates gradients into for each unit, right now (after a forward)."""
@@ -89,7 +146,8 @@ class GradientUnits:
         to_device: Callable[[torch.Tensor], torch.Tensor],
         failure: Optional[BaseException] = None,
     ) -> None:
-        """Raise :class:`UnevenInputsError` on every rank if ``loss`` reaches a unit that another rank's does not.
+        """Raise :class:`UnevenInputsError` on every rank if this microbatch uses a unit that another rank's does not
+        (``loss`` reaches it, or a reentrant segment of its forward used it).
 
         The used-unit flags are known on the host (from the graph walk) and all-reduced on the host, over
         gloo (:func:`host_group`: the default group under gloo, a gloo group beside NCCL), so the check
@@ -97,12 +155,14 @@ class GradientUnits:
         ``failure``: an error this rank found in this step (its microbatches cannot be padded): it
         travels in the same all-reduce (one more integer per rank), and every rank raises.
         """
-        reached = reached_leaves(loss)
+        reached, self._watching = reached_leaves(loss), False  # the backward's recomputations are not watched
         world, rank = dist.get_world_size(), dist.get_global_rank()
         flags = [int(failure is not None and r == rank) for r in range(world)]
-        used = torch.tensor(
-            [leaf is not None and id(leaf) in reached for leaf in self._leaves()] + flags, dtype=torch.int32
-        )
+        uses = [
+            (leaf is not None and id(leaf) in reached) or unit in self._recomputed
+            for unit, leaf in enumerate(self._leaves())
+        ]
+        used = torch.tensor(uses + flags, dtype=torch.int32)
         torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.SUM, group=host_group())  # CPU tensor, gloo
         used, failed = used[: len(self)], [r for r, f in enumerate(used[len(self) :].tolist()) if f]
         if failure is not None:
@@ -177,6 +237,8 @@ class FSDPWrapper(Wrapper):
         )
         self._attach_guard(changes)
         changes.call(self._failures.clear)  # found in a step the run left half-way
+        if len(self._units):
+            self._units.attach(changes)
 
     def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
         self._attach(state)
@@ -210,6 +272,8 @@ class FSDPWrapper(Wrapper):
 
     def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
         self._microbatch.undo()  # the last microbatch may not have reached its loss (e.g. an OOM retry)
+        if len(self._units):
+            self._units.watch()
         if shadow:
             self._guard.armed = True
             if self._loss_shape.known:  # else (no real loss seen yet on this rank) the model's own, on the template

@@ -18,6 +18,7 @@ and no collective at all. Only the steps from the shortest rank's last batch on 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
@@ -25,6 +26,7 @@ from typing import Any, Optional
 import torch
 from composer.utils import dist
 
+from composer_join.core.peers import lost_peer
 from composer_join.core.settings import check as check_settings
 from composer_join.core.settings import mismatch_error
 
@@ -151,6 +153,8 @@ class StepPlan:
 class Agreement:
     """One step's agreement, under way: built on every rank in the same order, then :meth:`plan` waits for it.
 
+    ``where``: the step, for the message a rank gives if a peer is gone while it waits (default ``'step <step>'``).
+
     Example::
 
         pending = Agreement(step, RankStatus(has_batch=True, samples=8, microbatches=1))
@@ -158,13 +162,20 @@ class Agreement:
         plan = pending.plan()
     """
 
-    def __init__(self, step: int, status: RankStatus, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
-        self.step = step
+    def __init__(
+        self,
+        step: int,
+        status: RankStatus,
+        to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        where: str = '',
+    ):
+        self.step, self.where = step, where or f'step {step}'
         self._table, self._work = _exchange_rows(status.row(), to_device)
 
     def plan(self) -> StepPlan:
-        """Wait for every rank's row and return the common plan."""
-        self._work.wait()
+        """Wait for every rank's row and return the common plan (a peer gone: :func:`~composer_join.core.peers.lost_peer`)."""
+        with lost_peer(f'the agreement on {self.where}'):
+            self._work.wait()
         statuses = tuple(RankStatus.from_row(row) for row in self._table.cpu().tolist())
         return StepPlan(step=self.step, statuses=statuses)
 
@@ -213,7 +224,8 @@ def agree_on_failures(
     ``JoinLoader.check_ended_together``).
     """
     table, work = _exchange_rows([-1 if failed_step is None else failed_step, int(short)], to_device)
-    work.wait()
+    with lost_peer('the agreement on which ranks could not form a batch'):
+        work.wait()
     return [None if step < 0 else (int(step), bool(s)) for step, s in table.cpu().tolist()]
 
 
@@ -249,8 +261,9 @@ def agree_on_length(
         [-1 if own_len is None else own_len, -1 if current_len is None else current_len, *settings], to_device
     )
     try:
-        work.wait()
-    except RuntimeError as e:  # e.g. gloo: 'Connection reset by peer' once a rank without UnevenJoin aborted
+        with lost_peer('the length agreement') if not settings else contextlib.nullcontext():
+            work.wait()
+    except RuntimeError as e:  # gloo: 'Connection reset by peer' once a rank without UnevenJoin aborted, or a peer died
         if not settings:
             raise
         raise mismatch_error(f'{type(e).__name__}: {e}') from e

@@ -15,7 +15,8 @@ Used by ``tests/test_failover.py`` (through ``tests/harness.launch``) and by ``t
 ``kill`` makes one process kill itself with SIGKILL at one step, once per folder (a marker file says it happened):
 ``{'rank': r}`` or ``{'node': name}`` (the process whose ``FAILOVER_NODE`` is ``name``; it kills its parent, a
 torchrun agent, first: a node lost), at ``'before_dataloader'`` (before it asks for that step's batch),
-``'before_forward'`` or ``'batch_end'`` of ``(epoch, batch_in_epoch)``.
+``'before_forward'`` or ``'batch_end'`` of ``(epoch, batch_in_epoch)``, or of the first step after it in that epoch
+(a node that joined late, in a launch resumed past it).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class Kill(Callback):
         if kill is None or kill.get('event', 'before_forward') != event or self.marker.exists():
             return
         here = (int(state.timestamp.epoch), int(state.timestamp.batch_in_epoch))
-        if here != tuple(kill['at']):
+        if here[0] != kill['at'][0] or here[1] < kill['at'][1]:  # at that step, or (a later launch) the first after
             return
         if 'node' in kill and os.environ.get(NODE_ENV) != kill['node']:
             return

@@ -18,7 +18,6 @@ and no collective at all. Only the steps from the shortest rank's last batch on 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
@@ -261,12 +260,11 @@ def agree_on_length(
         [-1 if own_len is None else own_len, -1 if current_len is None else current_len, *settings], to_device
     )
     try:
-        with lost_peer('the length agreement') if not settings else contextlib.nullcontext():
-            work.wait()
+        work.wait()
     except RuntimeError as e:  # gloo: 'Connection reset by peer' once a rank without UnevenJoin aborted, or a peer died
         if not settings:
             raise
-        raise mismatch_error(f'{type(e).__name__}: {e}') from e
+        raise mismatch_error(f'{type(e).__name__}: {e}') from e  # names both causes: they look the same from here
     if settings:
         check_settings(table.cpu()[:, 2:].tolist())
     own_lens, cur_lens = ([int(v) for v in column] for column in table.cpu().T[:2])

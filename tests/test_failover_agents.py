@@ -25,6 +25,7 @@ sessions of their own) is killed at the end.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -139,7 +140,7 @@ def test_two_agents_node_b_killed_node_a_goes_on_with_fewer(tmp_path, attempt, c
         [*torchrun(['--nnodes=1:2', *common, f'--rdzv-conf={RDZV_CONF},is_host=1'], 2), *args],
         tmp_path,
         'agentA.log',
-        {**AGENT_ENV, 'FAILOVER_NODE': 'A'},
+        {**AGENT_ENV, 'FAILOVER_NODE': 'A', 'LOGLEVEL': 'INFO'},  # INFO: the rendezvous rounds in its log
     )
     b = start(
         [*torchrun(['--nnodes=1:2', *common, f'--rdzv-conf={RDZV_CONF},is_host=0'], 1), *args],
@@ -156,10 +157,20 @@ def test_two_agents_node_b_killed_node_a_goes_on_with_fewer(tmp_path, attempt, c
     assert [a['world'] for a in attempts][-1] == 2, attempts  # A's two workers finished it
     with capsys.disabled():
         print(
-            f'\n[failover try {attempt}] {ended - began:.0f} s in all, {ended - kill:.0f} s after the kill; '
-            f'attempts (world, resumed at batch): {[(a["world"], a["start"]) for a in attempts]}; '
-            f'load {os.getloadavg()[0]:.1f}'
+            f'\n[failover try {attempt}] {ended - began:.0f} s in all, {ended - kill:.0f} s after the kill '
+            f"({regrouped(log)} from A's workers failing to its new round); attempts (world, resumed at batch): "
+            f'{[(a["world"], a["start"]) for a in attempts]}; load {os.getloadavg()[0]:.1f}'
         )
+
+
+def regrouped(log: str) -> str:
+    """Seconds from the agent's "Worker group FAILED" to the rendezvous of its first restart, from its log."""
+    stamps = {}
+    for line in log.splitlines():
+        for key, mark in (('failed', 'Worker group FAILED'), ('round', 'restart_count=1')):
+            if mark in line and key not in stamps:
+                stamps[key] = datetime.datetime.strptime(line.split()[1], '%H:%M:%S.%f')
+    return f'{(stamps["round"] - stamps["failed"]).total_seconds():.1f} s' if len(stamps) == 2 else '?'
 
 
 @pytest.mark.timeout(TIMEOUT + 60)

@@ -27,7 +27,7 @@ test-detail: $(VENV)/.installed-test
 # Failover under real launchers, not in `make test` (about a minute per run): two torchrun agents on this machine as
 # two nodes, node B killed with SIGKILL mid-epoch, node A going on alone, every sample once, COMPOSER_JOIN_FAILOVER_TRIES
 # times in a row (default 10); one node under torchrun restarting its workers; `composer -n 3` killed, then `-n 2`;
-# examples/train.py under torchrun with autoresume. About 15 min on 2 cores; docs/reliability.md, "Failover".
+# examples/train.py under torchrun with autoresume. 8-13 min on 2 cores; docs/reliability.md, "Failover".
 test-failover: $(VENV)/.installed-test
 	COMPOSER_JOIN_FAILOVER=1 $(VENV)/bin/pytest -p no:cacheprovider tests/test_failover_agents.py
 

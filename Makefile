@@ -10,7 +10,7 @@ PYTHON ?= python3
 PIP := $(VENV)/bin/pip --disable-pip-version-check
 ALL_EXTRAS := test,composer-tests,examples,bench,llmfoundry,docs,lint,package
 
-.PHONY: demo test test-detail test-composer test-torch26 lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
+.PHONY: demo test test-detail test-failover test-composer test-torch26 lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
 
 demo: $(VENV)/.installed-core
 	$(VENV)/bin/composer -n 2 examples/demo.py
@@ -23,6 +23,13 @@ test: $(VENV)/.installed-all
 # FSDP2 is left out (gloo's checking wrapper lacks allgather_into_tensor_coalesced); docs/reliability.md.
 test-detail: $(VENV)/.installed-test
 	$(VENV)/bin/pytest tests/test_detail.py
+
+# Failover under real launchers, not in `make test` (about a minute per run): two torchrun agents on this machine as
+# two nodes, node B killed with SIGKILL mid-epoch, node A going on alone, every sample once, COMPOSER_JOIN_FAILOVER_TRIES
+# times in a row (default 10); one node under torchrun restarting its workers; `composer -n 3` killed, then `-n 2`;
+# examples/train.py under torchrun with autoresume. 8-13 min on 2 cores; docs/reliability.md, "Failover".
+test-failover: $(VENV)/.installed-test
+	COMPOSER_JOIN_FAILOVER=1 $(VENV)/bin/pytest -p no:cacheprovider tests/test_failover_agents.py
 
 # The lowest torch Composer 0.32.1 accepts (2.6.0), in a second environment of its own: a smoke subset of the
 # suite (DDP and its reducer hooks, every sync strategy, FSDP1, rebalancing, resumption); docs/compatibility.md.

@@ -11,6 +11,7 @@ from composer_join.core.errors import UnevenInputsError
 from composer_join.core.report import EpochReport
 from composer_join.data.positions import Position, Reading, SampleCountPosition, TrailPosition, register_position
 from composer_join.data.sampler import ExactDistributedSampler
+from composer_join.interop.launchers import launcher_compat
 from composer_join.join.algorithm import UnevenJoin, is_shadow_step
 from composer_join.join.passes import install as _install_join_pass
 
@@ -25,6 +26,7 @@ __all__ = [
     'UnevenInputsError',
     'UnevenJoin',
     'is_shadow_step',
+    'launcher_compat',
     'register_position',
 ]
 

@@ -2,6 +2,7 @@
 
     composer -n 2 examples/train.py configs/digits_uneven.yaml
     composer -n 4 examples/train.py configs/digits_uneven.yaml trainer.max_duration=3ep
+    torchrun --standalone --nproc-per-node 2 examples/train.py configs/digits_uneven.yaml
     python examples/train.py configs/text_token_budget.yaml
 
 Arguments after the config are omegaconf dotlist overrides (``key.path=value``). The config's
@@ -29,7 +30,7 @@ from composer import Trainer  # noqa: E402
 from composer.utils import dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from composer_join import UnevenInputsError, UnevenJoin  # noqa: E402
+from composer_join import UnevenInputsError, UnevenJoin, launcher_compat  # noqa: E402
 from composer_join.config.config import ConfigError, build_one, load_config, trainer_kwargs  # noqa: E402
 from data import DATASETS  # noqa: E402
 from models import MODELS  # noqa: E402
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
-    trainer = Trainer(model=model, train_dataloader=loaders.train, eval_dataloader=loaders.eval, **kwargs)
+    with launcher_compat():  # torchrun: NODE_RANK for autoresume; nodes sharing a save folder: a signal file each
+        trainer = Trainer(model=model, train_dataloader=loaders.train, eval_dataloader=loaders.eval, **kwargs)
     try:
         trainer.fit()
     except UnevenInputsError as e:

@@ -91,10 +91,13 @@ def launch(
     collective_timeout: float = 30,
     usage: Optional[dict] = None,
     progress: Optional[Callable[[str], None]] = None,
+    may_be_killed: tuple[int, ...] = (),
 ) -> dict[str, list[Any]]:
     """Run ``calls`` on ``world_size`` ranks; return ``{name: [result of rank 0, rank 1, ...]}``.
 
-    A result is whatever the function returned, or a :class:`RankError`.
+    A result is whatever the function returned, or a :class:`RankError`. A rank of ``may_be_killed`` that dies by
+    SIGKILL (a failover test kills it on purpose) gets ``RankError('Killed', ...)`` for every call; any other rank
+    that dies fails the launch.
 
     ``progress``, if given, is called with each call's name as rank 0 starts it (looked at every 0.2 s, so
     a call shorter than that may go unreported). ``usage``, if given, is filled with ``elapsed`` (s, from
@@ -160,6 +163,10 @@ def launch(
         results: dict[str, list[Any]] = {name: [None] * world_size for name, _, _ in calls}
         for rank, proc in enumerate(procs):
             out = Path(tmp, f'rank{rank}.pt')
+            if rank in may_be_killed and proc.exitcode == -signal.SIGKILL and not out.exists():
+                for name in results:
+                    results[name][rank] = RankError('Killed', f'rank {rank} was killed with SIGKILL')
+                continue
             if proc.exitcode != 0 or not out.exists():
                 raise AssertionError(f'rank {rank} exited with {proc.exitcode}; output:\n{_tails(logs)}')
             for name, value in torch.load(out, weights_only=False).items():

@@ -145,6 +145,7 @@ def test_the_public_api_is_unchanged():
         'UnevenInputsError',
         'UnevenJoin',
         'is_shadow_step',
+        'launcher_compat',
         'register_position',
     ]
     assert all(getattr(composer_join, name) for name in composer_join.__all__)

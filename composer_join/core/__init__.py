@@ -9,6 +9,7 @@
 * :mod:`~composer_join.core.settings`: UnevenJoin's settings, compared across ranks in the first agreement;
 * :mod:`~composer_join.core.batches`: batch trees: mapping over their tensors, taking their first samples;
 * :mod:`~composer_join.core.errors`: :class:`~composer_join.UnevenInputsError`;
+* :mod:`~composer_join.core.peers`: a peer gone while a rank waits in one of UnevenJoin's collectives: what it says;
 * :mod:`~composer_join.core.compat`: the private names of other packages composer-join reads, in one place.
 
 Nothing here knows Composer's events or the model's wrapper; it is the bottom layer.

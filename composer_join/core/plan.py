@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 from composer.utils import dist
 
+from composer_join.core.peers import lost_peer
 from composer_join.core.settings import Facts, mismatch_error
 from composer_join.core.settings import check as check_settings
 
@@ -151,6 +152,8 @@ class StepPlan:
 class Agreement:
     """One step's agreement, under way: built on every rank in the same order, then :meth:`plan` waits for it.
 
+    ``where``: the step, for the message a rank gives if a peer is gone while it waits (default ``'step <step>'``).
+
     Example::
 
         pending = Agreement(step, RankStatus(has_batch=True, samples=8, microbatches=1))
@@ -158,13 +161,20 @@ class Agreement:
         plan = pending.plan()
     """
 
-    def __init__(self, step: int, status: RankStatus, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
-        self.step = step
+    def __init__(
+        self,
+        step: int,
+        status: RankStatus,
+        to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+        where: str = '',
+    ):
+        self.step, self.where = step, where or f'step {step}'
         self._table, self._work = _exchange_rows(status.row(), to_device)
 
     def plan(self) -> StepPlan:
-        """Wait for every rank's row and return the common plan."""
-        self._work.wait()
+        """Wait for every rank's row and return the common plan (a peer gone: :func:`~composer_join.core.peers.lost_peer`)."""
+        with lost_peer(f'the agreement on {self.where}'):
+            self._work.wait()
         statuses = tuple(RankStatus.from_row(row) for row in self._table.cpu().tolist())
         return StepPlan(step=self.step, statuses=statuses)
 
@@ -213,7 +223,8 @@ def agree_on_failures(
     ``JoinLoader.check_ended_together``).
     """
     table, work = _exchange_rows([-1 if failed_step is None else failed_step, int(short)], to_device)
-    work.wait()
+    with lost_peer('the agreement on which ranks could not form a batch'):
+        work.wait()
     return [None if step < 0 else (int(step), bool(s)) for step, s in table.cpu().tolist()]
 
 
@@ -255,10 +266,10 @@ def agree_on_length(
     )
     try:
         work.wait()
-    except RuntimeError as e:  # e.g. gloo: 'Connection reset by peer' once a rank without UnevenJoin aborted
+    except RuntimeError as e:  # gloo: 'Connection reset by peer' once a rank without UnevenJoin aborted, or a peer died
         if not settings:
             raise
-        raise mismatch_error(f'{type(e).__name__}: {e}') from e
+        raise mismatch_error(f'{type(e).__name__}: {e}') from e  # names both causes: they look the same from here
     every = check_settings(table.cpu()[:, 2:].tolist(), facts.label) if settings else []
     own_lens, cur_lens = ([int(v) for v in column] for column in table.cpu().T[:2])
     shared = max(cur_lens) if min(cur_lens) >= 0 else None

@@ -146,5 +146,6 @@ def mismatch_error(cause: str) -> UnevenInputsError:
     return UnevenInputsError(
         f"UnevenJoin's first agreement (at the start of fit or evaluation) failed: {cause}. The usual cause is a "
         f"rank whose Trainer has no UnevenJoin in its algorithms: it issues Composer's own collectives instead, "
-        f'which do not match. Give every rank UnevenJoin with the same settings (enable=False to turn it off).',
+        f'which do not match. Give every rank UnevenJoin with the same settings (enable=False to turn it off). '
+        f'Otherwise a peer process is gone (killed, out of memory, its node lost; its own log says why).',
     )

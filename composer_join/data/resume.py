@@ -59,6 +59,7 @@ from composer.utils import dist
 
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.layout import Layout
+from composer_join.core.peers import lost_peer
 from composer_join.core.report import EpochReport
 from composer_join.data.positions import Position, Reading
 
@@ -185,7 +186,10 @@ class RankPositions:
             error: Optional[UnevenInputsError] = None
         except UnevenInputsError as e:
             mine, error = {'error': str(e)}, e
-        gathered = dist.all_gather_object(mine)
+        with lost_peer(
+            f'the gather of train data positions for the checkpoint after batch {int(self.state.timestamp.batch)}'
+        ):
+            gathered = dist.all_gather_object(mine)
         failed = [r for r, entry in enumerate(gathered) if 'error' in entry]
         if failed and not strict:
             return

@@ -444,7 +444,9 @@ class JoinLoader:
                         return
                     plan = plan_from_lengths(step, self._rank, fetched.status, self._world)
                 else:
-                    plan = (fetched.agreement or Agreement(step, fetched.status, self.to_device)).plan()
+                    plan = (
+                        fetched.agreement or Agreement(step, fetched.status, self.to_device, self._where(step))
+                    ).plan()
                 self.source.observe(plan)  # read-ahead rebalancing: buffer levels (or bounds) for the next step
                 if not fetched.local:
                     now.unreported = 0  # in the plan now, so in the report (or, spun past, already in it)
@@ -508,8 +510,12 @@ class JoinLoader:
                 now.unreported = -1 if uncountable else now.unreported + status.samples
             return _Fetched(batch, status, error, None, True)
         status = dataclasses.replace(status, unreported_samples=now.unreported, **self.source.status_columns())
-        agreement = Agreement(step, status, self.to_device) if step > planned else None
+        agreement = Agreement(step, status, self.to_device, self._where(step)) if step > planned else None
         return _Fetched(batch, status, error, agreement, False)
+
+    def _where(self, step: int) -> str:
+        """Step ``step`` of this iteration, in words (for what a rank says when a peer is gone)."""
+        return f'batch {step} of epoch {self.epoch}' if self.label == 'train' else f'batch {step} of {self.label!r}'
 
     def check_ended_together(self) -> None:
         """Raise on every rank if this epoch (or evaluation) ended early because some rank could not form a batch.

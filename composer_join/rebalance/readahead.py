@@ -68,6 +68,7 @@ from composer.utils import dist
 from composer_join.core.batches import map_tensors
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.layout import Layout
+from composer_join.core.peers import lost_peer
 from composer_join.core.plan import StepPlan
 from composer_join.core.source import IDLE, Opener
 from composer_join.rebalance.rebalance import Rebalancer
@@ -301,7 +302,8 @@ class ReadAheadRebalancer(Rebalancer):
         table = torch.zeros(self.world, 2, dtype=torch.int64)
         table[self.rank] = torch.tensor([-1 if failure is not None else len(source.buffer), int(source.drained)])
         table = self.to_device(table)
-        torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.SUM)
+        with lost_peer("the exchange of the ranks' read-ahead levels at the epoch's start"):
+            torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.SUM)
         rows = [(int(h), bool(d)) for h, d in table.cpu().tolist()]
         if failure is not None:
             raise failure

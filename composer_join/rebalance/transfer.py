@@ -62,6 +62,7 @@ from composer.utils import dist
 from composer_join.core import compat
 from composer_join.core.batches import map_tensors
 from composer_join.core.errors import UnevenInputsError
+from composer_join.core.peers import lost_peer
 
 __all__ = ['BatchChannel', 'Packed', 'transfer_group']
 
@@ -188,6 +189,10 @@ class BatchChannel:
         this step); raises :class:`~composer_join.core.errors.UnevenInputsError` if ``src`` failed to
         read or send the batch this rank was to train at ``step``.
         """
+        with lost_peer(f'receiving the batch rank {self.rank} trains at step {step}', [src]):
+            return self._receive(src, step)
+
+    def _receive(self, src: int, step: int) -> Any:
         device = self._device()
         prefix = torch.zeros(2, dtype=torch.int64, device=device)
         torch.distributed.recv(prefix, src, group=self.group)
@@ -221,6 +226,10 @@ class BatchChannel:
 
     def _transmit(self, status: int, dst: int, header: bytes = b'', data: Optional[torch.Tensor] = None) -> None:
         """The messages of one transfer: ``[status, header length]``, then (``_OK``) the header and the payload."""
+        with lost_peer(f'sending a batch to rank {dst}', [dst]):
+            self._send(status, dst, header, data)
+
+    def _send(self, status: int, dst: int, header: bytes, data: Optional[torch.Tensor]) -> None:
         prefix = torch.tensor([status, len(header)], dtype=torch.int64)
         torch.distributed.send(self.to_device(prefix), dst, group=self.group)
         self.bytes_sent += prefix.numel() * prefix.element_size()

@@ -29,7 +29,7 @@ test-detail: $(VENV)/.installed-test
 # times in a row (default 10); one node under torchrun restarting its workers; `composer -n 3` killed, then `-n 2`;
 # examples/train.py under torchrun with autoresume. 8-13 min on 2 cores; docs/reliability.md, "Failover".
 test-failover: $(VENV)/.installed-test
-	COMPOSER_JOIN_FAILOVER=1 $(VENV)/bin/pytest -p no:cacheprovider tests/test_failover_agents.py
+	$(VENV)/bin/pytest -p no:cacheprovider -m agents tests/test_failover_agents.py
 
 # The lowest torch Composer 0.32.1 accepts (2.6.0), in a second environment of its own: a smoke subset of the
 # suite (DDP and its reducer hooks, every sync strategy, FSDP1, rebalancing, resumption); docs/compatibility.md.

@@ -78,7 +78,9 @@ class Lockstep:
                 return [r for r in range(self.world) if r not in slot]
 
             if not self._cond.wait_for(lambda: not missing() or any(self._done[r] for r in missing()), self.timeout):
-                raise Hang(f'rank {rank} waited {self.timeout} s in {slot[rank][0]!r} (collective {index}) for {missing()}')
+                raise Hang(
+                    f'rank {rank} waited {self.timeout} s in {slot[rank][0]!r} (collective {index}) for {missing()}'
+                )
             if missing():
                 raise Hang(
                     f'rank {rank} waits in {slot[rank][0]!r} (collective {index}) for rank(s) {missing()}, which '

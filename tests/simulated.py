@@ -29,6 +29,7 @@ import lockstep
 from composer_join.core.layout import Layout, check_lengths
 from composer_join.core.plan import len_or_none
 from composer_join.core.protocol import Exchange, Lengths, Rules, agreed_lengths
+from composer_join.core.report import EpochReport
 from composer_join.core.source import BatchSource, OwnBatches
 from composer_join.join.iterator import Glue, JoinLoader, StepRecord
 
@@ -92,6 +93,7 @@ class Run:
     """One rank's run: per epoch its steps, the loader, and the error it stopped with (None: it finished)."""
 
     epochs: list[list[Step]] = field(default_factory=list)
+    reports: list[EpochReport] = field(default_factory=list)  # each finished epoch's
     loader: Optional[JoinLoader] = None
     error: Optional[BaseException] = None
 
@@ -146,6 +148,7 @@ def fit(loader: JoinLoader, exchange: Exchange, epochs: int, run: Run) -> None:
             steps.append(Step(None if shadow else batch.tolist(), record, loader.epoch_done()))
         assert loader.step is None  # outside a step, no record
         loader.check_ended_together()
+        run.reports.append(loader.report)
 
 
 @dataclass

@@ -37,7 +37,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union, cast
 
 from composer_join.core.batches import content_crc, first_samples, to_cpu
 from composer_join.core.changes import Changes
@@ -158,6 +158,62 @@ class _Ahead(NamedTuple):
     size: Any
 
 
+class _Reader:
+    """One iteration's reading: the source's batches as typed items, each with this rank's row for the protocol.
+
+    A batch read to see whether the source yields more than ``len()`` (a peek, at the last step by the longest
+    ``len()``) is kept for the next read: none is lost.
+    """
+
+    def __init__(self, batches: Iterator[Any], rules: Rules, glue: Glue, learned: Learned, exhausted: bool = False):
+        self.batches, self.rules, self.glue, self.learned = batches, rules, glue, learned
+        self.exhausted = exhausted  # this rank's dataloader has run out (torch may hand back the same iterator)
+        self.peeked: list[Any] = []
+
+    @property
+    def ended(self) -> bool:
+        """Nothing is left to read."""
+        return self.exhausted and not self.peeked
+
+    def read(self, step: int) -> Item:
+        """This rank's batch for step ``step``: a batch, an idle step (none), or a failure."""
+        ended_now = False
+        if not self.exhausted:
+            try:
+                batch = self.peeked.pop() if self.peeked else next(self.batches)
+            except StopIteration:
+                self.exhausted = ended_now = True
+            except Exception as e:  # reported to every rank by the agreement, then re-raised here
+                return Failure(e)
+            else:
+                if isinstance(batch, Failed):  # a rebalancer's step failed (its transfers were made)
+                    return Failure(batch.error)
+                if batch is not IDLE:  # IDLE: read-ahead rebalancing has no batch here, the epoch goes on
+                    return Batch(batch, self._row(batch, step))
+        template = self.learned.template
+        return Idle(self.rules.row_without_batch(step, ended_now, None if template is None else fingerprint(template)))
+
+    def _row(self, batch: Any, step: int) -> RankStatus:
+        """A real batch's row: its counts, its structure, and (at the last step by length) whether more follows."""
+        if self.learned.template is None:
+            self.learned.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
+        samples, microbatches = self.glue.describe(batch)
+        more = self.rules.peeks(step) and self._peek()
+        content = content_crc(batch) if self.rules.layout.tp > 1 else 0
+        return RankStatus(True, samples, microbatches, overflow=more, structure=fingerprint(batch), content=content)
+
+    def _peek(self) -> bool:
+        """Whether the source yields another batch; it is kept for the next read."""
+        try:
+            self.peeked.append(next(self.batches))
+        except StopIteration:
+            self.exhausted = True
+            return False
+        except Exception as e:  # raised by the next read, on a step every rank agrees on
+            self.peeked.append(Failed(e))
+        return True
+
+
 @dataclass
 class _Iteration:
     """What one iteration (an epoch, an evaluation) keeps; a new one at every start."""
@@ -167,9 +223,7 @@ class _Iteration:
     first: int = 0  # the step it started at (nonzero: an epoch resumed mid-way, not spun)
     trained: int = 0  # own real samples yielded (-1: uncountable)
     finished_on_resume: bool = False  # its epoch was trained before a checkpoint: it read nothing
-    batches: Iterator[Any] = field(default_factory=lambda: iter(()))  # the source's, for this epoch
-    exhausted: bool = False  # this rank's dataloader has run out (torch may hand back the same iterator)
-    peeked: list[Any] = field(default_factory=list)  # a batch read to see whether there is more than len()
+    reader: Optional[_Reader] = None  # its batches
     ahead: Optional[_Ahead] = None  # the next step
     record: Optional[StepRecord] = None  # the step being trained, as published
     recount: Optional[tuple[StepRecord, StepRecord]] = None  # it, and it for the microbatch size in force
@@ -280,7 +334,8 @@ class JoinLoader:
     def progress(self) -> Progress:
         """Where this rank stands in the current epoch (samples trained and used, bytes sent, own data ended)."""
         now = self._now
-        ended = now.exhausted and not now.peeked and (now.ahead is None or not now.ahead.item.row.has_batch)
+        ahead_batch = now.ahead is not None and now.ahead.item.row.has_batch
+        ended = now.reader is not None and now.reader.ended and not ahead_batch
         offset = self.rules.lengths.offset
         return Progress(
             trained=now.trained,
@@ -407,7 +462,8 @@ class JoinLoader:
         self.uncapped = False
         # a position loaded where this rank's data had ended may start the library's next epoch: read nothing
         exhausted = ended_before and self.source.ends_with_own_data
-        now = self._now = _Iteration(protocol, first, first, trained_before, batches=batches, exhausted=exhausted)
+        reader = _Reader(batches, self.rules, self.glue, self.learned, exhausted)
+        now = self._now = _Iteration(protocol, first, first, trained_before, reader=reader)
         now.ahead = self._read_ahead(first)
         step = first
         try:
@@ -451,50 +507,10 @@ class JoinLoader:
     def _read_ahead(self, step: int) -> _Ahead:
         """Read step ``step``'s batch and hand its row to the protocol, which starts the step's agreement if due."""
         size = self.glue.microbatch_size()
-        item = self._read(step)
+        item = cast(_Reader, self._now.reader).read(step)
         source = self.source
         ticket = self._now.protocol.ahead(step, item.row, source.planned_locally(), source.status_columns())
         return _Ahead(item, ticket, size)
-
-    def _read(self, step: int) -> Item:
-        """This rank's batch for step ``step`` as a typed item: a batch, an idle step (none), or a failure."""
-        now = self._now
-        ended_now = False
-        if not now.exhausted:
-            try:
-                batch = now.peeked.pop() if now.peeked else next(now.batches)
-            except StopIteration:
-                now.exhausted = ended_now = True
-            except Exception as e:  # reported to every rank by the agreement, then re-raised here
-                return Failure(e)
-            else:
-                if isinstance(batch, Failed):  # a rebalancer's step failed (its transfers were made)
-                    return Failure(batch.error)
-                if batch is not IDLE:  # IDLE: read-ahead rebalancing has no batch here, the epoch goes on
-                    return Batch(batch, self._row(batch, step))
-        template = self.learned.template
-        return Idle(self.rules.row_without_batch(step, ended_now, None if template is None else fingerprint(template)))
-
-    def _row(self, batch: Any, step: int) -> RankStatus:
-        """A real batch's row: its counts, its structure, and (at the last step by length) whether more follows."""
-        if self.learned.template is None:
-            self.learned.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
-        samples, microbatches = self.glue.describe(batch)
-        more = self.rules.peeks(step) and self._peek()
-        content = content_crc(batch) if self.rules.layout.tp > 1 else 0
-        return RankStatus(True, samples, microbatches, overflow=more, structure=fingerprint(batch), content=content)
-
-    def _peek(self) -> bool:
-        """Whether the source yields another batch; it is kept for the next read (none is lost)."""
-        now = self._now
-        try:
-            now.peeked.append(next(now.batches))
-        except StopIteration:
-            now.exhausted = True
-            return False
-        except Exception as e:  # raised by the next read, on a step every rank agrees on
-            now.peeked.append(Failed(e))
-        return True
 
     def _structure(self, item: Item) -> str:
         """This rank's batch structure at the step (or its template's), in words: for the error where they differ."""

@@ -297,6 +297,10 @@ def test_the_last_step_by_length_and_the_peek_past_it(per_rank, beyond, last, pe
     assert [protocol.rules.peeks(step) for step in range(5)] == peeks
 
 
+def test_a_batch_where_every_len_is_0_is_more_than_len_promised():
+    assert rules((0, 0)).past(0) and not rules((5, 3)).past(4) and not rules((0, None)).past(0)
+
+
 def test_composers_cap_is_lifted_only_where_it_is_the_longest_len():
     r = rules((5, 3))
     assert r.lifts(5) and not r.lifts(4) and not r.lifts(None)
@@ -474,6 +478,7 @@ SCENARIOS = {
     'without_len': Config(((8,) * 5, (8, 8, 5)), claimed=('exact', None), epochs=2),
     'a_len_that_hides_batches': Config(((8,) * 3, (8,) * 5), claimed=('exact', 2)),
     'a_len_that_undercounts_on_the_longest_rank': Config(((8,) * 6, (8,) * 2), claimed=(5, 'exact'), epochs=2),
+    'a_len_of_zero_that_hides_batches': Config(((8, 8), (8,)), claimed=(0, 0), epochs=2),  # none may be dropped
     # tests/test_collective_cost.py's failing scenarios (5 batches each: steps 0 to 3 planned), both rank orders
     'fails_at_step_0': Config(((8,) * 5, (8,) * 5), fail_at=(None, 0)),
     'fails_at_step_1': Config(((8,) * 5, (8,) * 5), fail_at=(None, 1)),

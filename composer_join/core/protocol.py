@@ -192,6 +192,12 @@ class Rules:
         length = self.length
         return self.lengths.check_overflow and length is not None and step == length - 1
 
+    def past(self, step: int) -> bool:
+        """Whether a batch at ``step`` is itself more than the longest ``len()`` promised: the first step of an
+        iteration whose length is 0 (every ``len()`` 0), read like any first step, where no step has peeked."""
+        length = self.length
+        return self.lengths.check_overflow and length is not None and step >= length
+
     def lifts(self, cap: Any) -> bool:
         """Whether Composer's cap ``cap`` (its ``dataloader_len``) must be lifted for a loop over this loader: it is
         the longest ``len()``, and a dataloader that yields more would lose its extra batches."""

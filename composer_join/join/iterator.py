@@ -198,7 +198,7 @@ class _Reader:
         if self.learned.template is None:
             self.learned.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
         samples, microbatches = self.glue.describe(batch)
-        more = self.rules.peeks(step) and self._peek()
+        more = self.rules.past(step) or (self.rules.peeks(step) and self._peek())
         content = content_crc(batch) if self.rules.layout.tp > 1 else 0
         return RankStatus(True, samples, microbatches, overflow=more, structure=fingerprint(batch), content=content)
 

@@ -12,23 +12,32 @@ an agreement started a step ahead overlaps other collectives exactly as an async
 :func:`run` runs ``fn(rank, exchange)`` on every rank and returns each rank's result or exception, and the
 collectives each rank issued (:attr:`Lockstep.issued`), in order, by what they said they were.
 
+Point-to-point messages (a rebalancer's transfers, through :class:`QueueWire`) are queued per sender and receiver:
+a receive waits for the next message from its sender, which must have the shape and dtype it expects
+(:class:`Mismatch` otherwise), or fails with :class:`Hang` where the sender finished without sending it; a message
+never received is left in :attr:`Lockstep.undelivered`.
+
 Example:
-    >>> def fn(rank, exchange):
-    ...     return exchange.rows([rank, 10 * rank], 'two columns').wait()
-    >>> results, issued = run(2, fn)
-    >>> results, issued
+    >>> def fn(rank, lockstep):
+    ...     return lockstep.exchange(rank).rows([rank, 10 * rank], 'two columns').wait()
+    >>> results, lockstep = run(2, fn)
+    >>> results, lockstep.issued
     ([[[0, 0], [1, 10]], [[0, 0], [1, 10]]], [['two columns'], ['two columns']])
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from composer_join.core.protocol import Exchange, Pending
+import torch
 
-__all__ = ['Hang', 'Lockstep', 'Mismatch', 'RankExchange', 'run']
+from composer_join.core.protocol import Exchange, Pending
+from composer_join.rebalance.transfer import Wire
+
+__all__ = ['Hang', 'Lockstep', 'Mismatch', 'QueueWire', 'RankExchange', 'run']
 
 
 class Hang(RuntimeError):
@@ -46,11 +55,40 @@ class Lockstep:
         self.world, self.timeout = world, timeout
         self.issued: list[list[str]] = [[] for _ in range(world)]
         self._slots: list[dict[int, tuple[str, Any]]] = []  # per collective index, per rank: (kind, payload)
+        self._mail: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._done = [False] * world
         self._cond = threading.Condition()
 
     def exchange(self, rank: int) -> RankExchange:
         return RankExchange(self, rank)
+
+    def wire(self, rank: int) -> QueueWire:
+        return QueueWire(self, rank)
+
+    @property
+    def undelivered(self) -> dict[tuple[int, int], int]:
+        """Point-to-point messages sent and never received, per (sender, receiver): none, if the ranks agreed."""
+        return {pair: len(queue) for pair, queue in self._mail.items() if queue}
+
+    def send(self, src: int, dst: int, tensor: torch.Tensor) -> None:
+        with self._cond:
+            self._mail[(src, dst)].append(tensor.detach().clone())
+            self._cond.notify_all()
+
+    def recv(self, dst: int, src: int, into: torch.Tensor) -> None:
+        """Receive into ``into`` rank ``src``'s next message to ``dst``, which must have its shape and dtype."""
+        with self._cond:
+            queue = self._mail[(src, dst)]
+            if not self._cond.wait_for(lambda: bool(queue) or self._done[src], self.timeout):
+                raise Hang(f'rank {dst} waited {self.timeout} s for a message from rank {src}')
+            if not queue:
+                raise Hang(f'rank {dst} waits for a message from rank {src}, which finished without sending it')
+            message = queue.popleft()
+        if (message.shape, message.dtype) != (into.shape, into.dtype):
+            raise Mismatch(
+                f'rank {dst} received {message.dtype}{list(message.shape)} from {src}, expected {into.dtype}{list(into.shape)}'
+            )
+        into.copy_(message)
 
     def finished(self, rank: int) -> None:
         """Rank ``rank`` issues no more collectives (its function returned or raised)."""
@@ -103,6 +141,19 @@ class _Rows(Pending):
         return [list(row) for row in rows]
 
 
+class QueueWire(Wire):
+    """One simulated rank's point-to-point messages (a :class:`~composer_join.rebalance.transfer.Wire`)."""
+
+    def __init__(self, lockstep: Lockstep, rank: int):  # (no process group to make)
+        self.lockstep, self.rank, self.group = lockstep, rank, None
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.lockstep.send(self.rank, dst, tensor)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        self.lockstep.recv(self.rank, src, tensor)
+
+
 class RankExchange(Exchange):
     """One simulated rank's exchange."""
 
@@ -119,15 +170,16 @@ class RankExchange(Exchange):
         return self.lockstep.meet(self.rank, self.lockstep.post(self.rank, f'broadcast from {src}', obj))[src]
 
 
-def run(world: int, fn: Callable[[int, RankExchange], Any], timeout: float = 20.0) -> tuple[list[Any], list[list[str]]]:
-    """``fn(rank, exchange)`` on ``world`` simulated ranks at once: each rank's result (or what it raised), and the
-    collectives each rank issued."""
+def run(world: int, fn: Callable[[int, Lockstep], Any], timeout: float = 20.0) -> tuple[list[Any], Lockstep]:
+    """``fn(rank, lockstep)`` on ``world`` simulated ranks at once (a rank takes ``lockstep.exchange(rank)`` and, for
+    transfers, ``lockstep.wire(rank)``): each rank's result (or what it raised), and the lockstep, which holds the
+    collectives each rank issued and the messages never received."""
     lockstep = Lockstep(world, timeout)
     results: list[Any] = [None] * world
 
     def rank_main(rank: int) -> None:
         try:
-            results[rank] = fn(rank, lockstep.exchange(rank))
+            results[rank] = fn(rank, lockstep)
         except BaseException as e:  # returned to the test, which checks it
             results[rank] = e
         finally:
@@ -139,4 +191,4 @@ def run(world: int, fn: Callable[[int, RankExchange], Any], timeout: float = 20.
     for t in threads:
         t.join(timeout + 30)
         assert not t.is_alive(), f'{t.name} did not finish'
-    return results, lockstep.issued
+    return results, lockstep

@@ -25,13 +25,15 @@ from typing import Any, Optional
 
 import torch
 
-import lockstep
 from composer_join.core.layout import Layout, check_lengths
 from composer_join.core.plan import len_or_none
 from composer_join.core.protocol import Exchange, Lengths, Rules, agreed_lengths
 from composer_join.core.report import EpochReport
-from composer_join.core.source import BatchSource, OwnBatches
 from composer_join.join.iterator import Glue, JoinLoader, StepRecord
+from composer_join.join.loader import batch_source
+from composer_join.rebalance.transfer import BatchChannel
+from lockstep import Lockstep
+from lockstep import run as run_ranks
 
 __all__ = ['FLAG', 'Run', 'Shard', 'ShardLoader', 'Simulation', 'Step', 'simulate']
 
@@ -100,22 +102,27 @@ class Run:
 
 def loader_for(
     shard: Shard,
-    exchange: Exchange,
+    lockstep: Lockstep,
+    rank: int,
     layout: Layout,
     throw: bool = False,
     microbatch: int = 2,
-    source: Optional[BatchSource] = None,
+    rebalance: bool = False,
 ) -> JoinLoader:
-    """What ``join_dataloader`` builds on this rank, over ``shard``: the first agreement goes through ``exchange``."""
-    dataloader = ShardLoader(shard, exchange.rank)
+    """What ``join_dataloader`` builds on ``rank``, over ``shard``: the first agreement, then the source
+    (``batch_source``, the glue's own: a rebalancer's transfers go through the lockstep's wire) and the loader."""
+    exchange = lockstep.exchange(rank)
+    dataloader = ShardLoader(shard, rank)
     own = len_or_none(dataloader)
     row = [-1 if own is None else own] * 2  # the trainer's cap is the whole epoch
     table = exchange.rows(row, 'the first agreement').wait()
     shared, check_overflow, per_rank = agreed_lengths([r[0] for r in table], [r[1] for r in table])
     check_lengths(layout, per_rank, 'train')
     glue = Glue(describe=lambda batch: (len(batch), -(-len(batch) // microbatch)), microbatch_size=lambda: microbatch)
-    rules = Rules(Lengths(shared, check_overflow, per_rank), exchange.rank, layout, throw=throw)
-    return JoinLoader(source or OwnBatches(dataloader), glue, rules, exchange)
+    lengths = Lengths(shared, check_overflow, per_rank)
+    channel = BatchChannel(wire=lockstep.wire(rank)) if rebalance else None
+    source, lengths = batch_source(dataloader, lengths, rebalance, lambda t: t, len, layout, exchange, channel)
+    return JoinLoader(source, glue, Rules(lengths, rank, layout, throw=throw), exchange)
 
 
 def composer_loop(loader: JoinLoader, exchange: Exchange, cap: Optional[int]) -> Iterator[Any]:
@@ -153,10 +160,12 @@ def fit(loader: JoinLoader, exchange: Exchange, epochs: int, run: Run) -> None:
 
 @dataclass
 class Simulation:
-    """Every rank's :class:`Run`, the collectives each rank issued (by what they said they were), and the warnings."""
+    """Every rank's :class:`Run`, the collectives each rank issued (by what they said they were), the transfers' messages
+    never received (per sender and receiver), and the warnings."""
 
     runs: list[Run]
     issued: list[list[str]]
+    undelivered: dict[tuple[int, int], int]
     warnings: list[str]
 
 
@@ -167,20 +176,22 @@ def simulate(
     throw: bool = False,
     microbatch: int = 2,
     timeout: float = 20.0,
+    rebalance: bool = False,
 ) -> Simulation:
-    """Every rank's run over its shard (``shards[rank]``), ``epochs`` epochs, in one process."""
+    """Every rank's run over its shard (``shards[rank]``), ``epochs`` epochs, in one process (``rebalance``:
+    ``mode='rebalance'``)."""
     layout = layout or Layout.flat(len(shards))
 
-    def rank_main(rank: int, exchange: lockstep.RankExchange) -> Run:
+    def rank_main(rank: int, lockstep: Lockstep) -> Run:
         run = Run()
         try:
-            run.loader = loader_for(shards[rank], exchange, layout, throw, microbatch)
-            fit(run.loader, exchange, epochs, run)
+            run.loader = loader_for(shards[rank], lockstep, rank, layout, throw, microbatch, rebalance)
+            fit(run.loader, lockstep.exchange(rank), epochs, run)
         except Exception as e:  # the test checks it
             run.error = e
         return run
 
     with warnings.catch_warnings(record=True) as caught:  # (the warnings module is global: not per thread)
         warnings.simplefilter('always')
-        runs, issued = lockstep.run(len(shards), rank_main, timeout)
-    return Simulation(runs, issued, [str(w.message) for w in caught])
+        runs, lockstep = run_ranks(len(shards), rank_main, timeout)
+    return Simulation(runs, lockstep.issued, lockstep.undelivered, [str(w.message) for w in caught])

@@ -43,7 +43,7 @@ from composer_join.core.changes import Changes
 from composer_join.core.exchange import TorchExchange, agree_on_length
 from composer_join.core.layout import Layout, check_lengths
 from composer_join.core.plan import len_or_none
-from composer_join.core.protocol import Lengths, Rules
+from composer_join.core.protocol import Exchange, Lengths, Rules
 from composer_join.core.report import EpochReport
 from composer_join.core.settings import Facts
 from composer_join.core.source import BatchSource, OwnBatches
@@ -54,6 +54,7 @@ from composer_join.interop.metrics import MetricStates
 from composer_join.join.iterator import TEMPLATE_SAMPLES, Glue, JoinLoader, Learned, StepRecord
 from composer_join.rebalance.readahead import rebalanced_without_len
 from composer_join.rebalance.rebalance import rebalanced
+from composer_join.rebalance.transfer import BatchChannel
 from composer_join.shadow.dataspec import ShadowSplit, count_microbatches, count_samples, spec_for
 
 __all__ = [
@@ -151,6 +152,7 @@ def join_dataloader(
     def describe(batch: Any) -> tuple[int, int]:
         return _describe(spec, batch, size())
 
+    exchange = TorchExchange(state.device.tensor_to_device)
     source, lengths = batch_source(
         dataloader,
         Lengths(shared, check_overflow, own_lens),
@@ -158,6 +160,7 @@ def join_dataloader(
         state.device.tensor_to_device,
         lambda batch: describe(batch)[0],
         layout,
+        exchange,
     )
     lengths = lengths.shifted(offset)
 
@@ -177,7 +180,7 @@ def join_dataloader(
         source,
         Glue(describe, size, lambda: _opened(spec, opening), start, lambda epoch: _reshuffle(dataloader, epoch)),
         rules,
-        TorchExchange(state.device.tensor_to_device),
+        exchange,
         learned=learned,
         positions=positions(source, every),
         report=report,
@@ -200,23 +203,30 @@ def batch_source(
     to_device: Callable[[torch.Tensor], torch.Tensor],
     count: Callable[[Any], int],
     layout: Optional[Layout] = None,
+    exchange: Optional[Exchange] = None,
+    channel: Optional[BatchChannel] = None,
 ) -> tuple[BatchSource, Lengths]:
     """Where this rank's batches come from (the one place the kind is chosen), and the lengths the loader plans with.
 
     Not rebalancing: :class:`~composer_join.core.source.OwnBatches`. Rebalancing with every rank's ``len()``:
     :class:`~composer_join.rebalance.rebalance.RebalancingLoader`, whose lengths are each rank's assigned
     batches, own and received; with some rank's unknown: :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer`,
-    step by step (no length known ahead). A rebalancer plans over ``layout``'s data-parallel members.
+    step by step (no length known ahead). A rebalancer plans over ``layout``'s data-parallel members, and moves
+    batches through ``channel`` (default: over ``torch.distributed``); the read-ahead one exchanges its levels through
+    ``exchange`` (default: :class:`~composer_join.core.exchange.TorchExchange`).
     """
     per_rank = list(lengths.per_rank or [])
     source: BatchSource
     if not rebalance:
         return OwnBatches(dataloader), lengths
     if None in per_rank:
-        source, shared, overflow, assigned = rebalanced_without_len(dataloader, per_rank, to_device, layout)
+        source, shared, overflow, assigned = rebalanced_without_len(
+            dataloader, per_rank, to_device, layout, channel, exchange
+        )
     else:
+        counts = cast(list[int], per_rank)
         source, shared, overflow, assigned = rebalanced(
-            dataloader, cast(list[int], per_rank), lengths.shared, lengths.check_overflow, to_device, count, layout
+            dataloader, counts, lengths.shared, lengths.check_overflow, to_device, count, layout, channel
         )
     return source, Lengths(shared, overflow, assigned)
 

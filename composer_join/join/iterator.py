@@ -80,6 +80,13 @@ class Learned:
     warned: bool = False
     """The warning about a ``len()`` that undercounts was given (once per dataloader)."""
 
+    def share(self, exchange: Exchange, src: int) -> None:
+        """Rank ``src``'s template, sent to every rank (one broadcast); kept by a rank that has none."""
+        received = exchange.broadcast(self.template if exchange.rank == src else None, src)
+        if self.template is None:
+            self.template = received
+            log.info('rank %d has no data of its own; shaped its shadow batches after rank %d', exchange.rank, src)
+
 
 @dataclass(frozen=True)
 class Glue:
@@ -201,6 +208,10 @@ class _Reader:
         more = self.rules.past(step) or (self.rules.peeks(step) and self._peek())
         content = content_crc(batch) if self.rules.layout.tp > 1 else 0
         return RankStatus(True, samples, microbatches, overflow=more, structure=fingerprint(batch), content=content)
+
+    def structure(self, item: Item) -> str:
+        """This rank's batch structure at the step (or its template's), in words: for the error where they differ."""
+        return describe_structure(item.value if isinstance(item, Batch) else self.learned.template)
 
     def _peek(self) -> bool:
         """Whether the source yields another batch; it is kept for the next read."""
@@ -475,7 +486,7 @@ class JoinLoader:
                     self.source.make_transfers(batches, step + 1 - offset)
                     return
                 self.source.observe(plan)  # read-ahead rebalancing: buffer levels (or bounds) for the next step
-                structure = functools.partial(self._structure, item)  # gathered only where structures differ
+                structure = functools.partial(reader.structure, item)  # gathered only where structures differ
                 verdict = protocol.verdict(plan, error, self.report.real_batches, structure)
                 if verdict.error is not None:
                     raise verdict.error
@@ -483,7 +494,7 @@ class JoinLoader:
                     self._warn_if_beyond(protocol)
                     return
                 if verdict.template_from is not None:
-                    self._share_template(verdict.template_from)
+                    self.learned.share(self.exchange, verdict.template_from)
                 now.record = StepRecord(step, plan, size)
                 if step >= first + skipped:  # not a batch Composer spins past on resumption
                     self.report.record(self.rules.layout.member_plan(plan))
@@ -511,16 +522,6 @@ class JoinLoader:
         source = self.source
         ticket = self._now.protocol.ahead(step, item.row, source.planned_locally(), source.status_columns())
         return _Ahead(item, ticket, size)
-
-    def _structure(self, item: Item) -> str:
-        """This rank's batch structure at the step (or its template's), in words: for the error where they differ."""
-        return describe_structure(item.value if isinstance(item, Batch) else self.learned.template)
-
-    def _share_template(self, src: int) -> None:
-        received = self.exchange.broadcast(self.learned.template if self.exchange.rank == src else None, src)
-        if self.learned.template is None:
-            self.learned.template = received
-            log.info('rank %d has no data of its own; shaped its shadow batches after rank %d', self.exchange.rank, src)
 
     def _warn_if_beyond(self, protocol: Protocol) -> None:
         """Once per loader, on rank 0, at the end of an epoch that went on past ``length``: say so, and what it does."""

@@ -3,7 +3,7 @@
 :class:`ReadAheadRebalancer` is ``mode='rebalance'`` for a fit in which some or all ranks' train
 dataloaders have no ``len()`` (streams, filtered ``IterableDataset``s, token-budget batching).
 Nobody can plan the epoch ahead, so the ranks decide step by step, from what they already
-exchange: the per-step agreement of the :class:`~composer_join.join.loader.JoinLoader` (one small
+exchange: the per-step agreement of the :class:`~composer_join.join.iterator.JoinLoader` (one small
 all-reduce per step, which unsized loaders run anyway) carries three more columns per rank
 (:class:`~composer_join.core.plan.RankStatus` ``held``, ``drained``, ``unsendable``).
 
@@ -141,7 +141,7 @@ def agreement_needed(rows: Sequence[tuple[int, bool]]) -> bool:
 class ReadAheadRebalancer(Rebalancer):
     """This rank's batches under :func:`assign`: its own, minus those it gives, plus those it receives.
 
-    Sits beneath the :class:`~composer_join.join.loader.JoinLoader`, which calls :meth:`status_columns`
+    Sits beneath the :class:`~composer_join.join.iterator.JoinLoader`, which calls :meth:`status_columns`
     for every row it contributes and :meth:`observe` with every agreed plan. Yields :data:`IDLE`
     for a step at which this rank has nothing to train (the JoinLoader shadows it) and ends when
     the rows say every rank and buffer is empty, at the same step on every rank.

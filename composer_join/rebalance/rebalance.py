@@ -1,6 +1,6 @@
 """Rebalancing: ranks that run out of data train batches that other ranks still have, so no rank idles.
 
-:class:`RebalancingLoader` sits *beneath* the :class:`~composer_join.join.loader.JoinLoader`: it wraps
+:class:`RebalancingLoader` sits *beneath* the :class:`~composer_join.join.iterator.JoinLoader`: it wraps
 one rank's own dataloader and yields the batches this rank trains, its own and those handed to it
 by other ranks. Its ``len()`` is this rank's assigned count, so the JoinLoader above it (per-step
 agreement, shadowing of the last step, gradient weighting) works unchanged.
@@ -107,7 +107,7 @@ class Rebalancer(BatchSource):
 
     :class:`RebalancingLoader` (every rank has a ``len()``: a planned schedule) and
     :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer` (some rank has none: step by step) are the
-    :class:`~composer_join.core.source.BatchSource` of the :class:`~composer_join.join.loader.JoinLoader` in
+    :class:`~composer_join.core.source.BatchSource` of the :class:`~composer_join.join.iterator.JoinLoader` in
     ``mode='rebalance'``, and move batches through a :class:`~composer_join.rebalance.transfer.BatchChannel`.
 
     Args:

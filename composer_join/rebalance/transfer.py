@@ -5,7 +5,7 @@ objects) between two ranks with ``torch.distributed.send`` / ``recv``. Both reba
 :class:`~composer_join.rebalance.rebalance.RebalancingLoader` (the planned schedule) and
 :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer` (without ``len()``), through their base
 :class:`~composer_join.rebalance.rebalance.Rebalancer`. They call it inside the ``next()`` the
-:class:`~composer_join.join.loader.JoinLoader` calls once per step: a donor sends, a receiver receives.
+:class:`~composer_join.join.iterator.JoinLoader` calls once per step: a donor sends, a receiver receives.
 
 The wire format of one transfer, in this order (both sides must post the same messages, or
 NCCL and gloo point to point hang):

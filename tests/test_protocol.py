@@ -14,9 +14,12 @@ batch trained once, by its member, at its step; every rank the same steps and, w
 agreement at every step where some member has no batch (none of the steps planned from the lengths is one), and
 agreements exactly where the lengths leave the step open; ``epoch_done`` exactly at each epoch's last step.
 
-These replace the multi-process launches that only exercised these decisions (the failing-dataloader scenarios'
-rank rotations and step positions, ``tests/test_collective_cost.py``, ``tests/test_join_core.py``); the launches that
-check real collectives, real training and Composer's own loop stay.
+These replace the multi-process scenarios that only exercised these decisions: a failing dataloader at other steps
+and with the other rank failing (``fails_at_step_*``, ``len_overstates@1``: tests/test_collective_cost.py;
+``loader_fails@1``: tests/test_join_core.py; ``gift_read_fails@1``: tests/test_rebalance.py;
+``readahead_fails_*@1``: tests/test_rebalance_unsized.py; ``rebalance_len_*_swapped``: tests/test_len_hints.py),
+each with the assertions it had there. One of each stays there, on real ranks: the scenarios that check real
+collectives, real training and Composer's own loop all stay.
 """
 
 from __future__ import annotations
@@ -563,6 +566,13 @@ def test_whole_runs_of_simulated_ranks(name):
     check(cfg, sim)
     if name == 'throw':
         assert 'rank 0: 3, rank 1: 3' in str(sim.runs[0].error)
+    if name.startswith('len_overstates'):  # the rank that ran short says its own len()
+        short = 1 if name == 'len_overstates' else 0
+        assert 'fewer than its len() promised (this rank: len() 5)' in str(sim.runs[short].error)
+    if name.startswith('fails_at_step'):  # the others name the failing rank's cause (the gather, on this path only)
+        (failing,) = [m for m, f in enumerate(cfg.fail_at) if f is not None]
+        cause = f'rank {failing}: RuntimeError: read error at batch {cfg.fail_at[failing]} of rank {failing}'
+        assert cause in str(sim.runs[1 - failing].error)
     if name.startswith('a_len_that'):  # rank 0 warns once per fit, not once per epoch
         (warned,) = sim.warnings
         assert 'yields more batches than its len() says in epoch 0' in warned

@@ -24,8 +24,10 @@ collectives, real training and Composer's own loop all stay.
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -33,6 +35,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import composer_join
 import test_rebalance
 import test_rebalance_unsized as unsized
 from composer_join.core.errors import UnevenInputsError
@@ -86,6 +89,22 @@ def rules(per_rank: Sequence[Optional[int]] = (5, 3), layout: Layout = FLAT2, ra
 
 
 # -- the rules, one at a time ------------------------------------------------------------------------
+
+
+def test_the_protocol_imports_no_composer_and_no_collective():
+    """What the protocol runs on: its module and the core modules it imports (Layout only for type checking)."""
+    root = Path(composer_join.__file__).parent / 'core'
+    for name in ('protocol', 'plan', 'errors'):
+        tree = ast.parse((root / f'{name}.py').read_text())
+        imported = set()
+        for node in tree.body:  # module level; an `if TYPE_CHECKING:` block runs nothing
+            if isinstance(node, ast.ImportFrom):
+                imported.add(node.module or '')
+            elif isinstance(node, ast.Import):
+                imported |= {a.name for a in node.names}
+        ours = {m for m in imported if m.startswith('composer_join')}
+        assert ours <= {'composer_join.core.errors', 'composer_join.core.plan'}, (name, ours)
+        assert not {m for m in imported - ours if m.split('.')[0] in ('composer', 'torch')}, (name, imported)
 
 
 @pytest.mark.parametrize(
@@ -729,7 +748,7 @@ def configs(draw) -> Config:
     return Config(sizes, tuple(claims), tuple(fail_at), tp, draw(st.booleans()), draw(st.integers(1, 2)))
 
 
-@settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(configs())
 def test_random_runs_keep_the_invariants(cfg):
     check(cfg, cfg.run(timeout=10))

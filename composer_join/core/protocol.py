@@ -5,7 +5,8 @@ iterates over a dataloader (an epoch, an evaluation, a ``predict()``), and the m
 
 * what the first agreement's lengths mean (:func:`agreed_lengths`, :class:`Lengths`) and what is fixed for a
   loader (:class:`Rules`): the leading steps planned from the lengths alone, where the last step peeks past the
-  longest ``len()``, whether Composer's length cap is lifted, this rank's row where it has no batch;
+  longest ``len()`` (and where a batch is itself past it), whether Composer's length cap is lifted, this rank's row
+  where it has no batch;
 * per step, a step ahead (:meth:`Protocol.ahead`): whether the step is planned alone or agreed, and when its
   agreement starts: a step ahead, overlapping the previous step's training, except the first agreed step's, which
   starts only when that step is asked for (a rank that cannot form its batch on the last planned step stops without

@@ -1,23 +1,23 @@
 """The join's loader: what Composer iterates while UnevenJoin is active, and the record of the step being trained.
 
-Owns :class:`JoinLoader`, which only iterates: Composer's ``_iter_dataloader`` calls ``next`` on it once per step on
+Owns :class:`~composer_join.join.iterator.JoinLoader`, which only iterates: Composer's ``_iter_dataloader`` calls ``next`` on it once per step on
 every rank, and inside that call it
 
 1. asks the :mod:`protocol <composer_join.core.protocol>` what the step whose batch it read a step ahead is (its
    :class:`~composer_join.core.plan.StepPlan`, agreed or planned from the lengths; the iteration's common end; an
    error every rank raises; or, on a planned step, that this rank stops alone);
-2. publishes the step's :class:`StepRecord`, the one thing the rest of the join reads about "this step"
-   (:attr:`JoinLoader.step`), and records it in the epoch's report;
+2. publishes the step's :class:`~composer_join.join.iterator.StepRecord`, the one thing the rest of the join reads about "this step"
+   (:attr:`~composer_join.join.iterator.JoinLoader.step`), and records it in the epoch's report;
 3. reads the next step's batch from its :class:`~composer_join.core.source.BatchSource` as a typed item (a
-   :class:`Batch`, an :class:`Idle` step, a :class:`Failure`) and hands its row to the protocol, which starts its
+   :class:`~composer_join.join.iterator.Batch`, an :class:`~composer_join.join.iterator.Idle` step, a :class:`~composer_join.join.iterator.Failure`) and hands its row to the protocol, which starts its
    agreement where one is due, so that it overlaps this step's training;
 4. yields the real batch, or, on a rank that has run out, a *shadow batch*: the same structure with zero samples,
    which Composer counts as zero samples and tokens and splits into one microbatch, so all of Composer's per-step
    collectives still match across ranks.
 
-Also owns :class:`Learned` (what a run learns from one dataloader's batches: the template a rank with no data of its
+Also owns :class:`~composer_join.join.iterator.Learned` (what a run learns from one dataloader's batches: the template a rank with no data of its
 own is sent once by the lowest rank with data, the stand-in input, list-metric states; handed on only to a later
-loader over the same dataloader object, never looked up by label) and :class:`Glue`, the Composer-facing callables
+loader over the same dataloader object, never looked up by label) and :class:`~composer_join.join.iterator.Glue`, the Composer-facing callables
 the loader is given by :func:`~composer_join.join.loader.join_dataloader`, which builds it (counting a batch with
 Composer's ``DataSpec``, the microbatch size in force, the iteration's register of changes, where an iteration
 starts, the sampler's epoch). It imports nothing of Composer's: every collective goes through the injected
@@ -230,8 +230,7 @@ class _Iteration:
     """What one iteration (an epoch, an evaluation) keeps; a new one at every start."""
 
     protocol: Protocol
-    steps: int = 0  # steps yielded so far
-    first: int = 0  # the step it started at (nonzero: an epoch resumed mid-way, not spun)
+    steps: int = 0  # steps yielded so far (from the step it started at: nonzero for an epoch resumed mid-way)
     trained: int = 0  # own real samples yielded (-1: uncountable)
     finished_on_resume: bool = False  # its epoch was trained before a checkpoint: it read nothing
     reader: Optional[_Reader] = None  # its batches
@@ -474,7 +473,7 @@ class JoinLoader:
         # a position loaded where this rank's data had ended may start the library's next epoch: read nothing
         exhausted = ended_before and self.source.ends_with_own_data
         reader = _Reader(batches, self.rules, self.glue, self.learned, exhausted)
-        now = self._now = _Iteration(protocol, first, first, trained_before, reader=reader)
+        now = self._now = _Iteration(protocol, steps=first, trained=trained_before, reader=reader)
         now.ahead = self._read_ahead(first)
         step = first
         try:

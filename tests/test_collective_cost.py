@@ -7,10 +7,12 @@ need no agreement are also checked where skipping it could go wrong: batch sizes
 counts) that differ between ranks on every step under ``multi_auto_sync``, and a dataloader that fails
 on a step nobody agreed on.
 
-Which rank runs short must not matter (tests/rank_orders.py): the varied-batch and the failing
-scenarios run again with their ranks swapped, as ``'<name>@1'`` (batch plans, failing ranks and
-claimed lengths move with their ranks; the even counted scenarios would not change). The expected
-failing rank, the shortest plan and the reference follow the rotated config.
+Which rank runs short must not matter (tests/rank_orders.py): the varied-batch scenarios run again
+with their ranks swapped, as ``'<name>@1'`` (batch plans move with their ranks; the even counted
+scenarios would not change); the shortest plan and the reference follow the rotated config. A failing
+dataloader runs here once on a planned step (and once in an evaluation) and once with a len() that
+overstates, on real ranks; where else it fails (the first step, the last planned one) and the other rank
+order are decisions tested in one process (tests/test_protocol.py, ``fails_at_step_*``, ``len_overstates@1``).
 """
 
 from __future__ import annotations
@@ -59,12 +61,10 @@ VARIED = {
         join=NO_DIVIDE,
     ),
 }
-# A dataloader that fails on a step planned from the lengths (5 batches each: steps 0 to 3 are planned):
-# at the first step, in the middle, at the last planned step, and a len() that promises more than it yields.
+# A dataloader that fails on a step planned from the lengths (5 batches each: steps 0 to 3 are planned), and a
+# len() that promises more than it yields (the other steps and rank orders: tests/test_protocol.py, in one process).
 FAILING = {
-    'fails_at_step_0': dict(shards=[40, 40], batch_size=8, epochs=1, join=DIVIDE, fail_at={1: 3}),
     'fails_at_step_1': dict(shards=[40, 40], batch_size=8, epochs=1, join=DIVIDE, fail_at={1: 12}),
-    'fails_at_step_3': dict(shards=[40, 40], batch_size=8, epochs=1, join=DIVIDE, fail_at={0: 26}),
     'len_overstates': dict(shards=[40, 24], batch_size=8, epochs=1, join=DIVIDE, claimed_len={1: 40}),
 }
 FAILING_EVAL = {  # 5 eval batches per rank: batches 0 to 3 planned; rank 1 fails at batch 1 of the evaluation
@@ -73,8 +73,6 @@ FAILING_EVAL = {  # 5 eval batches per rank: batches 0 to 3 planned; rank 1 fail
     ),
 }
 VARIED = with_rotations(VARIED)
-FAILING = with_rotations(FAILING)
-FAILING_EVAL = with_rotations(FAILING_EVAL)
 AFTER = {'after_failure': dict(shards=[16, 16], batch_size=8, epochs=1, join=DIVIDE)}  # the process group still works
 
 
@@ -175,9 +173,7 @@ def test_microbatch_counts_that_differ_on_every_step(runs, name):
 
 
 STEP_AND_CAUSE = {  # the rank that cannot form the batch is the one its config makes fail
-    'fails_at_step_0': (0, ('RuntimeError', 'disk read error at sample 3')),
     'fails_at_step_1': (1, ('RuntimeError', 'disk read error at sample 12')),
-    'fails_at_step_3': (3, ('RuntimeError', 'disk read error at sample 26')),
     'len_overstates': (
         3,
         (

@@ -10,8 +10,9 @@ in ``mode='shadow'`` rank ``r`` trains its ``t``-th batch at step ``t`` and an e
 steps as the longest rank yields batches. The test checks that the ranks trained exactly that
 (every sample once per epoch), that the replicas never differ, that the weights equal a
 single-process replay with the gradient semantics of "What it computes", and that every
-evaluation equals one process over all eval samples. Every scenario also runs with its ranks
-swapped. One launch.
+evaluation equals one process over all eval samples. Every trained scenario also runs with its
+ranks swapped; a wrong ``len()`` in ``mode='rebalance'`` on the other rank is a decision tested in one
+process (tests/test_protocol.py). One launch.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ FAILING_BASE: dict[str, dict] = {
     # rank 1's len() says 2, it yields 1: it learns so at step 1, and it receives a batch at step 2
     'rebalance_len_over': dict(shards=[5, 1], batch_size=1, claimed={1: 2}, workers=0, join=RB, expect_error=True),
 }
-FAILING = {**FAILING_BASE, **{f'{n}_swapped': _swapped(c) for n, c in FAILING_BASE.items()}}
+FAILING = FAILING_BASE  # swapped: tests/test_protocol.py (rebalance_len_*_swapped), in one process
 
 
 @pytest.fixture(scope='module')

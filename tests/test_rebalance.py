@@ -51,8 +51,8 @@ SCENARIOS: dict[str, dict] = {
     'map_skewed_sampler': dict(shards=[30, 10, 0, 8], batch_size=4, epochs=2, dataset='skewed', join=RB),
 }
 # which rank is short (the receiver) or long (the donor) must not matter: these again with the ranks rotated;
-# the failing and the unpicklable donor on the last rank too
-SCENARIOS = with_rotations(SCENARIOS, ['ratio_2_1', 'empty_dict', 'empty_three', 'gift_read_fails', 'unpicklable'])
+# the unpicklable donor on the last rank too (the failing donor there: tests/test_protocol.py, in one process)
+SCENARIOS = with_rotations(SCENARIOS, ['ratio_2_1', 'empty_dict', 'empty_three', 'unpicklable'])
 TRAINED = [n for n in SCENARIOS if base(n) not in ('gift_read_fails', 'len_too_short', 'unpicklable')]
 
 

@@ -1,8 +1,11 @@
 """The join's vocabulary, shared by every other subpackage: what a step is and how ranks agree on it.
 
-* :mod:`~composer_join.core.plan`: the per-step agreement (:class:`~composer_join.core.plan.StepPlan`): which
-  ranks have data, their sample and microbatch counts, failures; one small all-reduce, or none when the
-  ranks' lengths already say it;
+* :mod:`~composer_join.core.plan`: what a step is, as data (:class:`~composer_join.core.plan.StepPlan`): which
+  ranks have data, their sample and microbatch counts, failures;
+* :mod:`~composer_join.core.protocol`: the join's decisions, step by step, from every rank's rows (one small
+  all-reduce, or none when the ranks' lengths already say it) over an injected exchange: no Composer, no
+  collective of its own;
+* :mod:`~composer_join.core.exchange`: the real exchange (``torch.distributed``) and the first agreement;
 * :mod:`~composer_join.core.layout`: :class:`~composer_join.core.layout.Layout`, which ranks are one data-parallel
   member (a tensor-parallel group joins as one), and the check that a member's ranks hold the same batch;
 * :mod:`~composer_join.core.report`: :class:`~composer_join.EpochReport`, what each rank trained and shadowed;

@@ -1,40 +1,28 @@
-"""The agreement on a step: which ranks still have data, and what every rank needs to know about it.
+"""What a step is, as every rank knows it: each rank's row (:class:`RankStatus`) and the common :class:`StepPlan`.
 
-On a step that needs it, every rank contributes one row (``RankStatus``) and receives everybody's
-rows in one small ``all_reduce`` (a ``world_size x 13`` integer tensor). From the rows each rank
-derives the same :class:`StepPlan`, so every decision that follows (shadow or real, gradient
-factor, buffer source, microbatch syncing, stop or go) is taken identically everywhere without
-further communication.
+Owns the data of the per-step agreement and nothing that communicates: no collective, no Composer, so that the
+join's decisions (:mod:`composer_join.core.protocol`) are tested in one process. On a step that needs it, every
+rank contributes one row and receives everybody's rows (one small all-reduce, a ``world_size x 13`` integer
+table, over the injected exchange: :class:`~composer_join.core.protocol.Exchange`; the real one is
+:class:`~composer_join.core.exchange.TorchExchange`). From the rows each rank derives the same :class:`StepPlan`, so
+every decision that follows (shadow or real, gradient factor, buffer source, microbatch syncing, stop or go) is
+taken identically everywhere without further communication.
 
-Cost: one asynchronous collective of ``104 * world_size`` bytes per agreed step; :class:`Agreement`
-starts it and waits only when the plan is needed, so the loader can start step ``t + 1``'s
-agreement while step ``t`` trains.
-
-When every rank's dataloader has a ``len()``, the epoch-start length exchange
-(:func:`agree_on_length`) already says that every rank has a batch at each of the first
-:func:`steps_planned_from_lengths` steps; those steps get a local plan (:func:`plan_from_lengths`)
-and no collective at all. Only the steps from the shortest rank's last batch on are agreed.
+When every rank's dataloader has a ``len()``, the epoch-start length exchange already says that every rank has a
+batch at each of the first :func:`steps_planned_from_lengths` steps; those steps get a local plan
+(:func:`plan_from_lengths`) and no collective at all. Only the steps from the shortest rank's last batch on are
+agreed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
-import torch
-from composer.utils import dist
-
-from composer_join.core.peers import lost_peer
-from composer_join.core.settings import Facts, mismatch_error
-from composer_join.core.settings import check as check_settings
-
 __all__ = [
-    'Agreement',
     'RankStatus',
     'StepPlan',
-    'agree_on_failures',
-    'agree_on_length',
     'len_or_none',
     'plan_from_lengths',
     'steps_planned_from_lengths',
@@ -149,36 +137,6 @@ class StepPlan:
         return None
 
 
-class Agreement:
-    """One step's agreement, under way: built on every rank in the same order, then :meth:`plan` waits for it.
-
-    ``where``: the step, for the message a rank gives if a peer is gone while it waits (default ``'step <step>'``).
-
-    Example::
-
-        pending = Agreement(step, RankStatus(has_batch=True, samples=8, microbatches=1))
-        ...  # other work; other collectives may be issued meanwhile, in the same order on every rank
-        plan = pending.plan()
-    """
-
-    def __init__(
-        self,
-        step: int,
-        status: RankStatus,
-        to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-        where: str = '',
-    ):
-        self.step, self.where = step, where or f'step {step}'
-        self._table, self._work = _exchange_rows(status.row(), to_device)
-
-    def plan(self) -> StepPlan:
-        """Wait for every rank's row and return the common plan (a peer gone: :func:`~composer_join.core.peers.lost_peer`)."""
-        with lost_peer(f'the agreement on {self.where}'):
-            self._work.wait()
-        statuses = tuple(RankStatus.from_row(row) for row in self._table.cpu().tolist())
-        return StepPlan(step=self.step, statuses=statuses)
-
-
 def steps_planned_from_lengths(lengths: Optional[Sequence[Optional[int]]], shared: Optional[int]) -> int:
     """How many leading steps of an epoch need no agreement: every rank has a batch there and none is at its last.
 
@@ -211,79 +169,9 @@ def plan_from_lengths(step: int, rank: int, own: RankStatus, world_size: int) ->
     return StepPlan(step, tuple(own if r == rank else others for r in range(world_size)), agreed=False)
 
 
-def agree_on_failures(
-    failed_step: Optional[int],
-    short: bool = False,
-    to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-) -> list[Optional[tuple[int, bool]]]:
-    """Every rank's ``(failing step, whether it ran short of its len())``, ``None`` where it did not fail.
-
-    One collective, on every rank, for the rare end of a loop that ended before its planned length
-    because some rank could not form a batch on a step planned from the lengths (see
-    ``JoinLoader.check_ended_together``).
-    """
-    table, work = _exchange_rows([-1 if failed_step is None else failed_step, int(short)], to_device)
-    with lost_peer('the agreement on which ranks could not form a batch'):
-        work.wait()
-    return [None if step < 0 else (int(step), bool(s)) for step, s in table.cpu().tolist()]
-
-
 def len_or_none(dataloader: Any) -> Optional[int]:
-    """``len(dataloader)``, or None for a dataloader without one (what :func:`agree_on_length` takes)."""
+    """``len(dataloader)``, or None for a dataloader without one (what :func:`~composer_join.core.exchange.agree_on_length` takes)."""
     try:
         return len(dataloader)
     except (TypeError, NotImplementedError):
         return None
-
-
-def agree_on_length(
-    own_len: Optional[int],
-    current_len: Optional[int],
-    to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-    settings: Sequence[int] = (),
-    facts: Optional[Facts] = None,
-) -> tuple[Optional[int], bool, list[Optional[int]], list[Facts]]:
-    """The number of batches every rank runs per epoch: the longest rank's (one collective, per fit or evaluation).
-
-    Args:
-        own_len: ``len()`` of this rank's dataloader, or None if it has none.
-        current_len: the trainer's ``dataloader_len`` for it (smaller when a subset was asked for).
-        settings: this rank's UnevenJoin settings (:func:`composer_join.core.settings.row`), carried in the
-            same collective with ``facts``; if given, every rank raises where they differ between ranks, or where
-            the collective fails (a rank without UnevenJoin issued a different one).
-        facts: what this rank's own objects decide about the collectives that follow
-            (:class:`~composer_join.core.settings.Facts`), sent with ``settings``.
-
-    Returns:
-        ``(shared, check_overflow, own_lens, facts)``: the shared length (None if some rank's is unknown),
-        whether the shared length is the full longest ``len()`` (so batches past it would be lost),
-        every rank's own length, and every rank's facts (none without ``settings``).
-    """
-    facts = facts if facts is not None else Facts()
-    extra = [*settings, *facts.row()] if settings else []
-    table, work = _exchange_rows(
-        [-1 if own_len is None else own_len, -1 if current_len is None else current_len, *extra], to_device
-    )
-    try:
-        work.wait()
-    except RuntimeError as e:  # gloo: 'Connection reset by peer' once a rank without UnevenJoin aborted, or a peer died
-        if not settings:
-            raise
-        raise mismatch_error(f'{type(e).__name__}: {e}') from e  # names both causes: they look the same from here
-    every = check_settings(table.cpu()[:, 2:].tolist(), facts.label) if settings else []
-    own_lens, cur_lens = ([int(v) for v in column] for column in table.cpu().T[:2])
-    shared = max(cur_lens) if min(cur_lens) >= 0 else None
-    check_overflow = shared is not None and own_lens == cur_lens
-    return shared, check_overflow, [None if n < 0 else n for n in own_lens], every
-
-
-def _exchange_rows(row: list[int], to_device: Callable[[torch.Tensor], torch.Tensor]):
-    """Start an all-reduce that gives every rank a ``world_size x len(row)`` table of all ranks' rows.
-
-    Each rank fills only its own row of a zero table, so the sum is every rank's row in place.
-    Returns the table (valid once the work is waited for) and the work.
-    """
-    table = torch.zeros(dist.get_world_size(), len(row), dtype=torch.int64)
-    table[dist.get_global_rank()] = torch.tensor(row, dtype=torch.int64)
-    table = to_device(table)
-    return table, torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.SUM, async_op=True)

@@ -3,7 +3,7 @@
 Ranks configured differently (a rank-dependent YAML override, say) would issue different
 collectives and hang, or die in the backend. So every rank puts its settings (:func:`row`) in the
 row it sends in the length agreement that starts every fit and evaluation
-(:func:`~composer_join.core.plan.agree_on_length`: no extra collective), and every rank checks the
+(:func:`~composer_join.core.exchange.agree_on_length`: no extra collective), and every rank checks the
 table (:func:`check`): where they differ, every rank raises :class:`~composer_join.UnevenInputsError`
 before the first step, naming each differing setting and the ranks that hold each value.
 

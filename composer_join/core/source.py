@@ -8,7 +8,7 @@ Three sources, chosen once per ``fit()`` or evaluation by :func:`composer_join.j
 * :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer`: some rank has no ``len()``, batches move
   step by step from read-ahead buffers.
 
-The :class:`~composer_join.join.loader.JoinLoader` is built with one and calls, on every rank in the same
+The :class:`~composer_join.join.iterator.JoinLoader` is built with one and calls, on every rank in the same
 order::
 
     batches = source.epoch(start, open)   # an epoch's iteration starts (at step ``start`` of a resumed epoch)

@@ -6,8 +6,10 @@
   positions, wrapper part) and the work at each event;
 * :mod:`~composer_join.join.microbatches`: ``Microbatches``: each microbatch shadow or real, its input, the
   metrics a stand-in keeps out;
-* :mod:`~composer_join.join.loader`: ``JoinLoader``: per step this rank's batch or a shadow batch, the plan,
-  the common end of the epoch; ``batch_source``, the one place the source of batches is chosen;
+* :mod:`~composer_join.join.loader`: the Composer-facing glue: ``join_dataloader`` builds the loader and sets it
+  as ``state.dataloader``, ``lift_cap``; ``batch_source``, the one place the source of batches is chosen;
+* :mod:`~composer_join.join.iterator`: ``JoinLoader``, which only iterates: per step this rank's batch or a
+  shadow batch, as the protocol (:mod:`composer_join.core.protocol`) decides, and the step's frozen record;
 * :mod:`~composer_join.join.passes`: the algorithm pass: where UnevenJoin runs among Composer's other
   algorithms, per event.
 

@@ -54,7 +54,8 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from composer_join.core.plan import StepPlan, agree_on_length
+from composer_join.core.exchange import agree_on_length
+from composer_join.core.plan import StepPlan
 from composer_join.core.report import EpochReport
 from composer_join.core.settings import row as settings_row
 from composer_join.data.resume import Resumed, restore, snapshot

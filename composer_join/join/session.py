@@ -393,7 +393,7 @@ class Run:
         if stands_in and self.microbatches.stand_in_for_others(state):
             return
         samples, microbatches = self.loader.describe(state.batch)
-        self.loader.plan = replan(self.plan(), samples, microbatches, state.device.tensor_to_device, self.rank)
+        self.loader.publish(replan(self.plan(), samples, microbatches, state.device.tensor_to_device, self.rank))
 
     def epoch_end(self, state: State, logger: Logger) -> None:
         """Stop every rank if some rank could not form a batch; log the epoch's report (rebalance: bytes moved)."""

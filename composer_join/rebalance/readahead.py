@@ -3,7 +3,7 @@
 :class:`ReadAheadRebalancer` is ``mode='rebalance'`` for a fit in which some or all ranks' train
 dataloaders have no ``len()`` (streams, filtered ``IterableDataset``s, token-budget batching).
 Nobody can plan the epoch ahead, so the ranks decide step by step, from what they already
-exchange: the per-step agreement of the :class:`~composer_join.join.loader.JoinLoader` (one small
+exchange: the per-step agreement of the :class:`~composer_join.join.iterator.JoinLoader` (one small
 all-reduce per step, which unsized loaders run anyway) carries three more columns per rank
 (:class:`~composer_join.core.plan.RankStatus` ``held``, ``drained``, ``unsendable``).
 
@@ -63,15 +63,16 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
-from composer.utils import dist
 
 from composer_join.core.batches import map_tensors
 from composer_join.core.errors import UnevenInputsError
+from composer_join.core.exchange import TorchExchange
 from composer_join.core.layout import Layout
-from composer_join.core.peers import lost_peer
 from composer_join.core.plan import StepPlan
+from composer_join.core.protocol import Exchange
 from composer_join.core.source import IDLE, Opener
 from composer_join.rebalance.rebalance import Rebalancer
+from composer_join.rebalance.transfer import BatchChannel
 
 __all__ = ['READ_AHEAD', 'ReadAheadRebalancer', 'agreement_needed', 'assign', 'rebalanced_without_len']
 
@@ -140,7 +141,7 @@ def agreement_needed(rows: Sequence[tuple[int, bool]]) -> bool:
 class ReadAheadRebalancer(Rebalancer):
     """This rank's batches under :func:`assign`: its own, minus those it gives, plus those it receives.
 
-    Sits beneath the :class:`~composer_join.join.loader.JoinLoader`, which calls :meth:`status_columns`
+    Sits beneath the :class:`~composer_join.join.iterator.JoinLoader`, which calls :meth:`status_columns`
     for every row it contributes and :meth:`observe` with every agreed plan. Yields :data:`IDLE`
     for a step at which this rank has nothing to train (the JoinLoader shadows it) and ends when
     the rows say every rank and buffer is empty, at the same step on every rank.
@@ -150,6 +151,8 @@ class ReadAheadRebalancer(Rebalancer):
         world_counts: every rank's ``len()`` (``None`` where unknown); kept for the report only.
         to_device: where transferred tensors go (the trainer's device).
         layout: the data-parallel members (default: every rank its own); the rule runs over them.
+        channel: the transfers' channel (default: over ``torch.distributed``).
+        exchange: the epoch start's exchange of levels (default: :class:`~composer_join.core.exchange.TorchExchange`).
 
     Attributes:
         peak_held: the most batches this rank's read-ahead buffer held in this fit (at most :data:`READ_AHEAD`).
@@ -164,10 +167,13 @@ class ReadAheadRebalancer(Rebalancer):
         world_counts: Sequence[Optional[int]],
         to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         layout: Optional[Layout] = None,
+        channel: Optional[BatchChannel] = None,
+        exchange: Optional[Exchange] = None,
     ):
         # None in world_counts: a rank without len()
-        super().__init__(dataloader, world_counts, to_device, layout=layout)  # type: ignore[arg-type]
-        self.world = dist.get_world_size()
+        super().__init__(dataloader, world_counts, to_device, layout=layout, channel=channel)  # type: ignore[arg-type]
+        self.world = len(world_counts)
+        self.exchange = exchange if exchange is not None else TorchExchange(to_device)
         self.transfers = True  # False once some rank reported an unsendable batch (for the rest of the fit)
         self.peak_held = self.peak_held_bytes = 0
         self.assignments: list[Optional[list[Optional[int]]]] = []  # this epoch, per step, as this rank computed it
@@ -299,12 +305,9 @@ class ReadAheadRebalancer(Rebalancer):
             source.fill(READ_AHEAD)
         except Exception as e:
             failure = e
-        table = torch.zeros(self.world, 2, dtype=torch.int64)
-        table[self.rank] = torch.tensor([-1 if failure is not None else len(source.buffer), int(source.drained)])
-        table = self.to_device(table)
-        with lost_peer("the exchange of the ranks' read-ahead levels at the epoch's start"):
-            torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.SUM)
-        rows = [(int(h), bool(d)) for h, d in table.cpu().tolist()]
+        row = [-1 if failure is not None else len(source.buffer), int(source.drained)]
+        table = self.exchange.rows(row, "the exchange of the ranks' read-ahead levels at the epoch's start").wait()
+        rows = [(int(h), bool(d)) for h, d in table]
         if failure is not None:
             raise failure
         failed = [r for r, (h, _) in enumerate(rows) if h < 0]
@@ -389,10 +392,12 @@ def rebalanced_without_len(
     counts: list[Optional[int]],
     to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     layout: Optional[Layout] = None,
+    channel: Optional[BatchChannel] = None,
+    exchange: Optional[Exchange] = None,
 ) -> tuple[ReadAheadRebalancer, None, bool, None]:
     """``(dataloader, shared length, check_overflow, lengths)`` for the JoinLoader when some rank has no ``len()``.
 
     The shared length and the lengths are unknown (``None``): every step is agreed, and the
     epoch ends when the rows say every rank and read-ahead buffer is empty.
     """
-    return ReadAheadRebalancer(dataloader, counts, to_device, layout), None, False, None
+    return ReadAheadRebalancer(dataloader, counts, to_device, layout, channel, exchange), None, False, None

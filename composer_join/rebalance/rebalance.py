@@ -1,6 +1,6 @@
 """Rebalancing: ranks that run out of data train batches that other ranks still have, so no rank idles.
 
-:class:`RebalancingLoader` sits *beneath* the :class:`~composer_join.join.loader.JoinLoader`: it wraps
+:class:`RebalancingLoader` sits *beneath* the :class:`~composer_join.join.iterator.JoinLoader`: it wraps
 one rank's own dataloader and yields the batches this rank trains, its own and those handed to it
 by other ranks. Its ``len()`` is this rank's assigned count, so the JoinLoader above it (per-step
 agreement, shadowing of the last step, gradient weighting) works unchanged.
@@ -107,7 +107,7 @@ class Rebalancer(BatchSource):
 
     :class:`RebalancingLoader` (every rank has a ``len()``: a planned schedule) and
     :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer` (some rank has none: step by step) are the
-    :class:`~composer_join.core.source.BatchSource` of the :class:`~composer_join.join.loader.JoinLoader` in
+    :class:`~composer_join.core.source.BatchSource` of the :class:`~composer_join.join.iterator.JoinLoader` in
     ``mode='rebalance'``, and move batches through a :class:`~composer_join.rebalance.transfer.BatchChannel`.
 
     Args:
@@ -118,6 +118,8 @@ class Rebalancer(BatchSource):
         count: a batch's samples, as Composer counts them (-1: uncountable).
         layout: the data-parallel members (default: every rank its own): the batches a rank trains are its
             member's, and the report counts members.
+        channel: its transfers' channel (default: a :class:`~composer_join.rebalance.transfer.BatchChannel` over
+            ``torch.distributed``).
     """
 
     ends_with_own_data = False  # the schedule (or the rule) decides when this rank's batches end
@@ -129,14 +131,15 @@ class Rebalancer(BatchSource):
         to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         count: Callable[[Any], int] = lambda batch: 0,
         layout: Optional[Layout] = None,
+        channel: Optional[BatchChannel] = None,
     ):
         super().__init__(dataloader)
         self.counts = list(counts)
         self.layout = layout if layout is not None else Layout.flat(len(self.counts))
-        self.rank = dist.get_global_rank()
         self.to_device = to_device
         self.count = count
-        self.channel = BatchChannel(to_device)
+        self.channel = channel if channel is not None else BatchChannel(to_device)
+        self.rank = self.channel.rank
         self.start = 0  # the step the current epoch's iteration starts at (a dataset that resumed itself)
         self._resumed = (0, 0)  # own samples used and bytes sent in the epoch before a resumed iteration
 
@@ -207,8 +210,9 @@ class RebalancingLoader(Rebalancer):
         to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
         count: Callable[[Any], int] = lambda batch: 0,
         layout: Optional[Layout] = None,
+        channel: Optional[BatchChannel] = None,
     ):
-        super().__init__(dataloader, counts, to_device, count, layout)
+        super().__init__(dataloader, counts, to_device, count, layout, channel)
         self.steps = schedule(self.counts, self.layout)
         self.check_overflow = own_len == self.counts[self.rank]
         self.assigned = [sum(1 for row in self.steps if row[r] is not None) for r in range(len(self.counts))]
@@ -270,7 +274,7 @@ class RebalancingLoader(Rebalancer):
     def _steps(self, open: Opener) -> Iterator[Any]:
         self.bytes_sent, self.bytes_received = self._resumed[1] if self.start else 0, 0
         self._read_samples, self._sent = {}, {}
-        reader = _Reader(lambda: open(self.start > 0), self.counts[self.rank], self.check_overflow)
+        reader = _Reader(lambda: open(self.start > 0), self.counts[self.rank], self.check_overflow, self.rank)
         reader.read = sum(1 for row in self.steps[: self.start] for c in row if c is not None and c[0] == self.rank)
         if self.start:  # a dataset that resumed itself applies its state at its next iteration: this one
             reader._it = reader.open()
@@ -318,8 +322,8 @@ _MORE = f"{_EXACT}, or use mode='shadow', which treats a len() that undercounts 
 class _Reader:
     """Reads this rank's own batches in order (``open()`` gives their iterator), checking them against their promised count."""
 
-    def __init__(self, open: Callable[[], Iterator[Any]], count: int, check_overflow: bool):
-        self.open, self.count, self.check_overflow = open, count, check_overflow
+    def __init__(self, open: Callable[[], Iterator[Any]], count: int, check_overflow: bool, rank: int):
+        self.open, self.count, self.check_overflow, self.rank = open, count, check_overflow, rank
         self._it: Optional[Iterator] = None
         self.read = 0
 
@@ -330,7 +334,7 @@ class _Reader:
             batch = next(self._it)
         except StopIteration:
             raise UnevenInputsError(
-                f"rank {dist.get_global_rank()}'s dataloader yielded {self.read} batches, fewer than its "
+                f"rank {self.rank}'s dataloader yielded {self.read} batches, fewer than its "
                 f'len() {self.count}; {_EXACT}.',
             ) from None
         self.read += 1
@@ -344,7 +348,7 @@ class _Reader:
             except StopIteration:
                 return
             raise UnevenInputsError(
-                f'the dataloader of rank {dist.get_global_rank()} yielded more than the {self.count} batches per '
+                f'the dataloader of rank {self.rank} yielded more than the {self.count} batches per '
                 f'epoch its len() promised (len() {self.count}, yielded at least {self.count + 1}); the extra '
                 f'batches would be silently dropped. {_MORE}',
             )
@@ -358,6 +362,7 @@ def rebalanced(
     to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     count: Callable[[Any], int] = lambda batch: 0,
     layout: Optional[Layout] = None,
+    channel: Optional[BatchChannel] = None,
 ) -> tuple[RebalancingLoader, Optional[int], bool, list[Optional[int]]]:
     """``(dataloader, shared length, check_overflow, every rank's length)`` for the JoinLoader, rebalanced.
 
@@ -370,5 +375,5 @@ def rebalanced(
     shortest one's last batch without agreeing. ``shared`` and ``check_overflow`` (the length
     agreement's) are replaced by these.
     """
-    loader = RebalancingLoader(dataloader, counts, len_or_none(dataloader), to_device, count, layout)
+    loader = RebalancingLoader(dataloader, counts, len_or_none(dataloader), to_device, count, layout, channel)
     return loader, loader.length, False, loader.assigned  # type: ignore[return-value]

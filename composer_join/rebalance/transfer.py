@@ -5,7 +5,7 @@ objects) between two ranks with ``torch.distributed.send`` / ``recv``. Both reba
 :class:`~composer_join.rebalance.rebalance.RebalancingLoader` (the planned schedule) and
 :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer` (without ``len()``), through their base
 :class:`~composer_join.rebalance.rebalance.Rebalancer`. They call it inside the ``next()`` the
-:class:`~composer_join.join.loader.JoinLoader` calls once per step: a donor sends, a receiver receives.
+:class:`~composer_join.join.iterator.JoinLoader` calls once per step: a donor sends, a receiver receives.
 
 The wire format of one transfer, in this order (both sides must post the same messages, or
 NCCL and gloo point to point hang):
@@ -64,7 +64,7 @@ from composer_join.core.batches import map_tensors
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.peers import lost_peer
 
-__all__ = ['BatchChannel', 'Packed', 'transfer_group']
+__all__ = ['BatchChannel', 'Packed', 'Wire', 'transfer_group']
 
 _OK, _FAILED, _NONE = 0, 1, 2  # a transfer's status: a batch follows; the sender failed; no batch (receiver idles)
 _ALIGN = 16  # bytes: every tensor's place in a transfer's payload is a multiple of this (complex128's size)
@@ -104,14 +104,35 @@ def transfer_group() -> Optional[torch.distributed.ProcessGroup]:
     return _GROUP[0][1]
 
 
+class Wire:
+    """Where a channel's messages travel: ``torch.distributed`` point to point on :func:`transfer_group` (made when the
+    first one is built: collective). Tests pass one of their own (``tests/lockstep.py``: W ranks in one process).
+
+    Attributes:
+        rank: this rank.
+        group: the process group the messages travel on.
+    """
+
+    def __init__(self) -> None:
+        self.rank = dist.get_global_rank()
+        self.group = transfer_group()
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        torch.distributed.send(tensor, dst, group=self.group)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        torch.distributed.recv(tensor, src, group=self.group)
+
+
 class BatchChannel:
     """This rank's end of the point-to-point batch transfers (the wire format is in the module docstring).
 
-    Building one is collective the first time in a process (it makes :func:`transfer_group`): every rank
-    builds its own at the same point.
+    Building one is collective the first time in a process (its :class:`Wire` makes :func:`transfer_group`): every
+    rank builds its own at the same point.
 
     Args:
         to_device: the trainer's device, where every message goes and received batches are allocated.
+        wire: where the messages travel (default: a :class:`Wire` on :func:`transfer_group`).
 
     Attributes:
         group: the process group every message travels on (:func:`transfer_group`).
@@ -119,10 +140,10 @@ class BatchChannel:
             included); its owner resets them at every epoch's start.
     """
 
-    def __init__(self, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
+    def __init__(self, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, wire: Optional[Wire] = None):
         self.to_device = to_device
-        self.rank = dist.get_global_rank()
-        self.group = transfer_group()
+        self.wire = wire if wire is not None else Wire()
+        self.rank, self.group = self.wire.rank, self.wire.group
         self.bytes_sent = 0
         self.bytes_received = 0
         self._on: Optional[torch.device] = None
@@ -195,7 +216,7 @@ class BatchChannel:
     def _receive(self, src: int, step: int) -> Any:
         device = self._device()
         prefix = torch.zeros(2, dtype=torch.int64, device=device)
-        torch.distributed.recv(prefix, src, group=self.group)
+        self.wire.recv(prefix, src)
         status, size = (int(v) for v in prefix.cpu().tolist())
         self.bytes_received += prefix.numel() * prefix.element_size()
         if status == _NONE:
@@ -206,13 +227,13 @@ class BatchChannel:
                 f'(rank {src} raises the cause)',
             )
         header = torch.empty(size, dtype=torch.uint8, device=device)
-        torch.distributed.recv(header, src, group=self.group)
+        self.wire.recv(header, src)
         self.bytes_received += size
         skeleton, specs = pickle.loads(header.cpu().numpy().tobytes())
         sizes = [_nbytes(shape, dtype) for shape, dtype in specs]
         data = torch.empty(sum(n + (-n) % _ALIGN for n in sizes), dtype=torch.uint8, device=device)
         if data.numel():
-            torch.distributed.recv(data, src, group=self.group)
+            self.wire.recv(data, src)
             self.bytes_received += data.numel()
         received, offset = [], 0
         for (shape, dtype), n in zip(specs, sizes):
@@ -231,15 +252,15 @@ class BatchChannel:
 
     def _send(self, status: int, dst: int, header: bytes, data: Optional[torch.Tensor]) -> None:
         prefix = torch.tensor([status, len(header)], dtype=torch.int64)
-        torch.distributed.send(self.to_device(prefix), dst, group=self.group)
+        self.wire.send(self.to_device(prefix), dst)
         self.bytes_sent += prefix.numel() * prefix.element_size()
         if status != _OK:
             return
         header_bytes = self.to_device(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-        torch.distributed.send(header_bytes, dst, group=self.group)
+        self.wire.send(header_bytes, dst)
         self.bytes_sent += len(header)
         if data is not None:
-            torch.distributed.send(data, dst, group=self.group)
+            self.wire.send(data, dst)
             self.bytes_sent += data.numel()
 
     def _device(self) -> torch.device:

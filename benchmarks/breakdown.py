@@ -16,6 +16,7 @@ from common import BATCH, Setup, us
 from overhead import FAKED
 
 ENGINE = 'Composer engine: _run_algorithms (incl. match + apply)'  # = workloads.ENGINE
+MATCHED = 'events matched (count)'  # = workloads.MATCHED
 
 
 def calls(s: Setup) -> list[tuple[str, str, dict]]:

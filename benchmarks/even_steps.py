@@ -1,0 +1,61 @@
+"""What an even step costs UnevenJoin in Composer's event loop, alone (to compare two code trees back to back).
+
+On even shards (every step even: no rank shadows), ``run.py``'s 2-rank workload, one UnevenJoin fit and one stock
+fit per round (``workloads.event_costs``), per step (median over the fit's steps, rank 0):
+
+* the events ``UnevenJoin.match`` said yes to (Composer's engine asks it at every event, and runs ``apply`` and its
+  own bookkeeping for each one matched: a trace, ``log_traces``, a debug-log string);
+* the CPU in UnevenJoin's ``match`` and ``apply`` calls;
+* **UnevenJoin in the event loop**: Composer's ``Engine._run_algorithms`` in the UnevenJoin fit minus the same in
+  the stock fit (everything UnevenJoin costs the engine: its calls and the bookkeeping for them);
+* the ``JoinLoader``'s ``next`` (fetch and report; no agreement on these steps), outside the event loop.
+
+``--microbatch 16`` splits each 32-sample batch into two microbatches. Compare two trees by alternating runs::
+
+    PYTHONPATH=. .venv/bin/python benchmarks/even_steps.py
+    PYTHONPATH=/path/to/other .venv/bin/python benchmarks/even_steps.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from breakdown import ENGINE, MATCHED
+from common import BATCH, launch
+
+LOADER = 'JoinLoader next (fetch + agreement + report)'
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--world', type=int, default=2)
+    parser.add_argument('--batches', type=int, default=32, help='steps of the fit')
+    parser.add_argument('--rounds', type=int, default=3)
+    parser.add_argument('--microbatch', type=int, default=None)
+    args = parser.parse_args()
+    sizes = [args.batches * BATCH] * args.world
+    kwargs = {'sizes': sizes, 'microbatch': args.microbatch}
+    calls = [('warm-up', 'warm_up', {'sizes': [4 * BATCH] * args.world})]
+    for r in range(args.rounds):
+        calls += [(f'join|{r}', 'event_costs', kwargs), (f'stock|{r}', 'event_costs', {**kwargs, 'join': False})]
+    res = launch(args.world, calls, timeout=900, progress=False)
+    rows = []
+    for r in range(args.rounds):
+        join, stock = res[f'join|{r}'][0]['per_step'], res[f'stock|{r}'][0]['per_step']
+        calls_s = sum(v for k, v in join.items() if k.startswith(('apply', 'match')))
+        rows.append((join.get(MATCHED, 0.0), calls_s, join[ENGINE] - stock[ENGINE], join.get(LOADER, 0.0)))
+    print('| round | events matched | match + apply us | UnevenJoin in the event loop us | JoinLoader next us |')
+    print('|---|---|---|---|---|')
+    for r, (matched, calls_s, loop, loader) in enumerate(rows):
+        print(f'| {r} | {matched:.0f} | {1e6 * calls_s:.0f} | {1e6 * loop:.0f} | {1e6 * loader:.0f} |')
+    med = [statistics.median(row[i] for row in rows) for i in range(4)]
+    print(f'| median | {med[0]:.0f} | {1e6 * med[1]:.0f} | {1e6 * med[2]:.0f} | {1e6 * med[3]:.0f} |')
+
+
+if __name__ == '__main__':
+    main()

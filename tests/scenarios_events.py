@@ -16,24 +16,9 @@ from composer.core import Event
 import rank_scenarios
 from composer_join import UnevenJoin
 
-# the events of one training step (the evaluation's and the epoch's are counted apart)
-STEP_EVENTS = frozenset(
-    (
-        Event.BEFORE_DATALOADER,
-        Event.AFTER_DATALOADER,
-        Event.BATCH_START,
-        Event.BEFORE_TRAIN_BATCH,
-        Event.BEFORE_FORWARD,
-        Event.AFTER_FORWARD,
-        Event.BEFORE_LOSS,
-        Event.AFTER_LOSS,
-        Event.BEFORE_BACKWARD,
-        Event.AFTER_BACKWARD,
-        Event.AFTER_TRAIN_BATCH,
-        Event.BATCH_END,
-        Event.BATCH_CHECKPOINT,
-    )
-)
+# the events of one training step: Composer's, but a fit's, an epoch's, an evaluation's and predict()'s own
+_NOT_A_STEP = ('init', 'before_load', 'after_load', 'fit_', 'epoch_', 'iteration_', 'eval_', 'predict_')
+STEP_EVENTS = frozenset(e for e in Event if not e.value.startswith(_NOT_A_STEP))
 _AFTER_THE_STEP = (Event.BATCH_END, Event.BATCH_CHECKPOINT)
 
 

@@ -66,6 +66,7 @@ from composer_join.core.settings import row as settings_row
 from composer_join.data.resume import Resumed, restore, snapshot
 from composer_join.interop.predict import PREDICT_EVENTS
 from composer_join.join.context import Settings
+from composer_join.join.fit import CHECKPOINT_EVENTS, TRAIN_MICROBATCH_EVENTS
 from composer_join.join.loader import JoinLoader
 from composer_join.join.session import Run
 
@@ -75,21 +76,14 @@ log = logging.getLogger(__name__)
 
 _STARTS = frozenset((Event.FIT_START, Event.EVAL_START, Event.PREDICT_START))
 # the per-microbatch events, at which composer_join.join.passes keeps the other algorithms off a shadow microbatch
-MICROBATCH_EVENTS = frozenset(
+MICROBATCH_EVENTS = TRAIN_MICROBATCH_EVENTS | frozenset(
     (
-        Event.BEFORE_FORWARD,
-        Event.AFTER_FORWARD,
-        Event.BEFORE_LOSS,
-        Event.AFTER_LOSS,
-        Event.BEFORE_BACKWARD,
-        Event.AFTER_BACKWARD,
         Event.EVAL_BEFORE_FORWARD,
         Event.EVAL_AFTER_FORWARD,
         Event.PREDICT_BEFORE_FORWARD,
         Event.PREDICT_AFTER_FORWARD,
     )
 )
-_CHECKPOINTS = (Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT)
 
 Route = Callable[[Run, State, Logger, Event], None]
 ROUTES: dict[Event, Route] = {
@@ -116,7 +110,7 @@ ROUTES: dict[Event, Route] = {
     Event.PREDICT_BEFORE_FORWARD: lambda run, state, logger, event: run.evaluation.before_forward(state),
     Event.PREDICT_AFTER_FORWARD: lambda run, state, logger, event: run.evaluation.after_forward(state),
     Event.PREDICT_END: lambda run, state, logger, event: run.eval_end(state),
-    **{e: lambda run, state, logger, event: run.fit.checkpoint(state, event) for e in _CHECKPOINTS},
+    **{e: lambda run, state, logger, event: run.fit.checkpoint(state, event) for e in CHECKPOINT_EVENTS},
 }
 """What each event does: a method of the :class:`~composer_join.join.session.Run` or of its current session."""
 assert ROUTES.keys() >= PREDICT_EVENTS

@@ -31,9 +31,16 @@ from composer_join.join.loader import JoinLoader, join_dataloader, lift_cap, pad
 from composer_join.join.microbatches import Microbatches
 from composer_join.shadow.dataspec import spec_for
 
-__all__ = ['EvalSession']
+__all__ = ['BATCH_EVENTS', 'EvalSession']
 
 _BEFORE_FORWARD = frozenset((Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD))
+BATCH_EVENTS = _BEFORE_FORWARD | {
+    Event.EVAL_BATCH_START,
+    Event.EVAL_AFTER_FORWARD,
+    Event.EVAL_BATCH_END,
+    Event.PREDICT_AFTER_FORWARD,
+}
+"""The events of an evaluation's or ``predict()``'s batches (:meth:`EvalSession.wants`)."""
 
 
 class EvalSession:

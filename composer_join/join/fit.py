@@ -48,7 +48,9 @@ from composer_join.shadow.buffers import checkpoint_due
 from composer_join.shadow.dataspec import spec_for, split_gave_empty
 from composer_join.shadow.gradients import scale_grad
 
-__all__ = ['TRAIN_MICROBATCH_EVENTS', 'FitSession']
+__all__ = ['CHECKPOINT_EVENTS', 'FIT_EVENTS', 'TRAIN_MICROBATCH_EVENTS', 'FitSession']
+
+log = logging.getLogger(__name__)
 
 TRAIN_MICROBATCH_EVENTS = frozenset(
     (
@@ -60,9 +62,23 @@ TRAIN_MICROBATCH_EVENTS = frozenset(
         Event.AFTER_BACKWARD,
     )
 )
-log = logging.getLogger(__name__)
-
-_CHECKPOINTS = frozenset((Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT))
+"""A training microbatch's events (the algorithm pass keeps the others off a stand-in at these)."""
+CHECKPOINT_EVENTS = frozenset((Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT))
+FIT_EVENTS = (
+    frozenset(
+        (
+            Event.EPOCH_START,
+            Event.BEFORE_DATALOADER,
+            Event.AFTER_DATALOADER,
+            Event.BEFORE_TRAIN_BATCH,
+            Event.AFTER_TRAIN_BATCH,
+            Event.EPOCH_END,
+        )
+    )
+    | TRAIN_MICROBATCH_EVENTS
+    | CHECKPOINT_EVENTS
+)
+"""The events of a fit that its session decides on (:meth:`FitSession.wants`)."""
 
 
 class FitSession:
@@ -167,7 +183,7 @@ class FitSession:
             return self.loader.others
         if event is Event.AFTER_TRAIN_BATCH:
             return self.watched or self._fills(state)
-        if event in _CHECKPOINTS:
+        if event in CHECKPOINT_EVENTS:
             return checkpoint_due(state, event)
         return True
 

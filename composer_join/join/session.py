@@ -22,7 +22,6 @@ raised run left is closed at the next start event (its iteration, its register),
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -32,46 +31,12 @@ from composer.utils import dist
 from composer_join.core.layout import trainer_layout
 from composer_join.data.resume import Resumed
 from composer_join.join.context import Context, Settings
-from composer_join.join.evaluation import EvalSession
-from composer_join.join.fit import FitSession
+from composer_join.join.evaluation import BATCH_EVENTS, EvalSession
+from composer_join.join.fit import FIT_EVENTS, FitSession
 from composer_join.join.loader import JoinLoader
 from composer_join.wrappers import wrapper_for
 
-__all__ = ['FIT_EVENTS', 'Run']
-
-log = logging.getLogger(__name__)
-
-# the events of a fit that its session decides on (the starts and ends of fits and evaluations always run)
-FIT_EVENTS = frozenset(
-    (
-        Event.EPOCH_START,
-        Event.BEFORE_DATALOADER,
-        Event.AFTER_DATALOADER,
-        Event.BEFORE_TRAIN_BATCH,
-        Event.BEFORE_FORWARD,
-        Event.AFTER_FORWARD,
-        Event.BEFORE_LOSS,
-        Event.AFTER_LOSS,
-        Event.BEFORE_BACKWARD,
-        Event.AFTER_BACKWARD,
-        Event.AFTER_TRAIN_BATCH,
-        Event.EPOCH_END,
-        Event.BATCH_CHECKPOINT,
-        Event.EPOCH_CHECKPOINT,
-        Event.ITERATION_CHECKPOINT,
-    )
-)
-# the events of an evaluation's or predict()'s batches
-BATCH_EVENTS = frozenset(
-    (
-        Event.EVAL_BATCH_START,
-        Event.EVAL_BEFORE_FORWARD,
-        Event.EVAL_AFTER_FORWARD,
-        Event.EVAL_BATCH_END,
-        Event.PREDICT_BEFORE_FORWARD,
-        Event.PREDICT_AFTER_FORWARD,
-    )
-)
+__all__ = ['Run']
 
 
 class Run:

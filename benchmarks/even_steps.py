@@ -10,10 +10,11 @@ fit per round (``workloads.event_costs``), per step (median over the fit's steps
   the stock fit (everything UnevenJoin costs the engine: its calls and the bookkeeping for them);
 * the ``JoinLoader``'s ``next`` (fetch and report; no agreement on these steps), outside the event loop.
 
-``--microbatch 16`` splits each 32-sample batch into two microbatches. Compare two trees by alternating runs::
+``--microbatch 16`` splits each 32-sample batch into two microbatches. Compare two trees by alternating runs, from a
+directory outside both (the ranks import ``composer_join`` from the current directory before ``PYTHONPATH``)::
 
-    PYTHONPATH=. .venv/bin/python benchmarks/even_steps.py
-    PYTHONPATH=/path/to/other .venv/bin/python benchmarks/even_steps.py
+    cd /tmp && PYTHONPATH=/path/to/this/tree python /path/to/this/tree/benchmarks/even_steps.py --microbatch 16
+    cd /tmp && PYTHONPATH=/path/to/other/tree python /path/to/this/tree/benchmarks/even_steps.py --microbatch 16
 """
 
 from __future__ import annotations

@@ -115,9 +115,9 @@ ROUTES: dict[Event, Route] = {
 """What each event does: a method of the :class:`~composer_join.join.session.Run` or of its current session."""
 assert ROUTES.keys() >= PREDICT_EVENTS
 # The events UnevenJoin may match: on a shadow microbatch it must match every microbatch event (the pass sees only
-# matching algorithms, so it keeps the others off only where UnevenJoin matches). Sets: Composer's Event compares by
-# a Python __eq__.
-_EVENTS = frozenset(ROUTES) | MICROBATCH_EVENTS
+# matching algorithms, so it keeps the others off only where UnevenJoin matches). By identity: Composer's Event
+# hashes and compares in Python, and match runs at every event.
+_EVENT_IDS = frozenset(map(id, frozenset(ROUTES) | MICROBATCH_EVENTS))
 
 
 class UnevenJoin(Algorithm):
@@ -263,7 +263,7 @@ class UnevenJoin(Algorithm):
         where no rank shadows, almost never); not decided yet, at a start event."""
         run = self._run
         if run is not None:  # (made where active)
-            return event in _EVENTS and run.wants(event, state)
+            return id(event) in _EVENT_IDS and run.wants(event, state)
         return self._active is None and event in _STARTS
 
     @property

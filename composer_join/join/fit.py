@@ -79,6 +79,10 @@ FIT_EVENTS = (
     | CHECKPOINT_EVENTS
 )
 """The events of a fit that its session decides on (:meth:`FitSession.wants`)."""
+# by identity: Composer's Event hashes and compares in Python, ten times the cost of a set of ints (match runs at
+# every event of every step)
+_MICROBATCH_IDS = frozenset(map(id, TRAIN_MICROBATCH_EVENTS))
+_CHECKPOINT_IDS = frozenset(map(id, CHECKPOINT_EVENTS))
 
 
 class FitSession:
@@ -170,7 +174,8 @@ class FitSession:
     def wants(self, event: Event, state: State) -> bool:
         """Whether UnevenJoin runs at ``event`` now (see the module docstring); at ``BEFORE_FORWARD`` of a watched
         step, the microbatch's record is made here, before the algorithm pass reads it."""
-        if event in TRAIN_MICROBATCH_EVENTS:
+        key = id(event)
+        if key in _MICROBATCH_IDS:
             if self.watched and event is Event.BEFORE_FORWARD:
                 self._begin_microbatch(state)
             return self.watched
@@ -183,7 +188,7 @@ class FitSession:
             return self.loader.others
         if event is Event.AFTER_TRAIN_BATCH:
             return self.watched or self._fills(state)
-        if event in CHECKPOINT_EVENTS:
+        if key in _CHECKPOINT_IDS:
             return checkpoint_due(state, event)
         return True
 

@@ -55,6 +55,8 @@ _LAST = frozenset(e for e in Event if e.name.startswith('AFTER_')) | {
 
 def join_pass(algorithms: Sequence[Algorithm], event: Event) -> Sequence[Algorithm]:
     """Place (or isolate) UnevenJoin among ``algorithms`` for ``event``; see the module docstring."""
+    if not algorithms:  # (every event of a step where UnevenJoin matches nothing, and no other algorithm does)
+        return algorithms
     join = next((a for a in algorithms if isinstance(a, UnevenJoin)), None)
     if join is None:
         return algorithms

@@ -38,6 +38,8 @@ from composer_join.wrappers import wrapper_for
 
 __all__ = ['Run']
 
+_FIT_IDS, _BATCH_IDS = frozenset(map(id, FIT_EVENTS)), frozenset(map(id, BATCH_EVENTS))
+
 
 class Run:
     """One trainer's UnevenJoin while active: its sessions, and which of Composer's events they take.
@@ -86,16 +88,17 @@ class Run:
     def wants(self, event: Event, state: State) -> bool:
         """Whether UnevenJoin runs at ``event`` (``match``): the fit's events as its session decides, an evaluation's
         batches while one runs, every start and end."""
-        if event in FIT_EVENTS:
+        key = id(event)  # (by identity: see composer_join.join.fit)
+        if key in _FIT_IDS:
             return self.fit is not None and self.fit.wants(event, state)
-        if event in BATCH_EVENTS:
+        if key in _BATCH_IDS:
             return self.evaluation is not None and self.evaluation.wants(event, state)
         return True
 
     def shadows(self, event: Event) -> bool:
         """Whether the current microbatch is a stand-in: its record, for the algorithm pass (made at its start)."""
         session = self.session
-        record = session.microbatches.step().microbatch if session is not None else None
+        record = session.microbatches.current if session is not None else None
         return record is not None and record.shadow
 
     @property

@@ -407,7 +407,9 @@ def count_collectives(sizes: list[int], join: bool, sync: str, microbatch: int) 
     return {'steps': counter.steps, 'shadow': counter.shadow}
 
 
-def event_costs(sizes: list[int], join: bool = True, microbatch: Optional[int] = None) -> dict[str, Any]:
+def event_costs(
+    sizes: list[int], join: bool = True, microbatch: Optional[int] = None, calls: bool = True
+) -> dict[str, Any]:
     """A Composer fit whose per-step work is timed piece by piece (``perf_counter`` around each call).
 
     Timed: ``UnevenJoin.apply`` per event; ``UnevenJoin.match`` (Composer's engine asks it at every
@@ -417,7 +419,8 @@ def event_costs(sizes: list[int], join: bool = True, microbatch: Optional[int] =
     and the median over steps is returned (so a garbage-collector pause landing in one call does
     not count). Pieces that cannot be found (the code moved) are left out. ``join=False``: a stock
     fit, only the engine timed. ``microbatch``: Composer's ``device_train_microbatch_size`` (None: one
-    microbatch per step).
+    microbatch per step). ``calls=False``: UnevenJoin's ``apply`` and ``match`` not timed (their timing wrappers
+    cost a few microseconds per event, which the engine's time then holds).
     """
     rank = dist.get_global_rank()
     counter = _StepCounter()
@@ -454,7 +457,7 @@ def event_costs(sizes: list[int], join: bool = True, microbatch: Optional[int] =
     engine._run_algorithms = timed(ENGINE, engine._run_algorithms)
     algorithm = next((a for a in trainer.state.algorithms if isinstance(a, UnevenJoin)), None)
     original_iter = getattr(getattr(composer_join.join.loader, 'JoinLoader', None), '__iter__', None) if join else None
-    if algorithm is not None:
+    if algorithm is not None and calls:
         original_apply, original_match = algorithm.apply, algorithm.match
         algorithm.apply = lambda event, state, logger: timed(f'apply {event.value}', original_apply)(
             event, state, logger
@@ -475,7 +478,7 @@ def event_costs(sizes: list[int], join: bool = True, microbatch: Optional[int] =
             trainer.fit()
     finally:
         del engine._run_algorithms
-        if algorithm is not None:
+        if algorithm is not None and calls:
             del algorithm.apply, algorithm.match
         if original_iter is not None:
             composer_join.join.loader.JoinLoader.__iter__ = original_iter

@@ -5,7 +5,8 @@ with their events timed (``workloads.event_costs``: ``perf_counter`` around each
 / ``match`` call, around Composer's ``Engine._run_algorithms``, around the JoinLoader's ``next``, and
 around issuing and waiting for the agreement all-reduce), and one agreement all-reduce on its own
 (``workloads.collective_latency``). The table's last rows split section 1's measured overhead
-(:mod:`overhead`) into the collective and the rest.
+(:mod:`overhead`) into the collective and the rest. ``even_steps.py`` runs the event-loop part alone, to compare
+two code trees back to back.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from common import BATCH, Setup, us
 from overhead import FAKED
 
 ENGINE = 'Composer engine: _run_algorithms (incl. match + apply)'  # = workloads.ENGINE
+MATCHED = 'events matched (count)'  # = workloads.MATCHED
 
 
 def calls(s: Setup) -> list[tuple[str, str, dict]]:
@@ -64,6 +66,7 @@ def markdown(events: dict[int, dict], overheads: list[dict]) -> list[str]:
     ):
         if any(per[w].get(key, 0) > 0 for w in worlds):
             row(f'`{key}`', [us(per[w].get(key, 0)) for w in worlds])
+    row('events UnevenJoin matched (count, not us)', [f'{per[w].get(MATCHED, 0):.0f}' for w in worlds])
     row('**all `apply` + `match` calls**', [us(calls_us[w]) for w in worlds])
     if all(ENGINE in per[w] for w in worlds):
         row(

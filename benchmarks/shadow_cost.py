@@ -4,10 +4,11 @@ Runs only UnevenJoin's uneven fits of ``run.py``'s 2-rank setup (or ``--world 3`
 and splits their per-step main-thread CPU times by ``composer_join.is_shadow_step`` with
 ``uneven.shadow_split``, as ``uneven.analyse`` does (warm-up steps left out, all ranks and repetitions
 pooled, medians).
-Useful to compare two code trees back to back on a busy machine::
+Useful to compare two code trees back to back on a busy machine, run from a directory outside both (the ranks
+import ``composer_join`` from the current directory before ``PYTHONPATH``)::
 
-    PYTHONPATH=. .venv/bin/python benchmarks/shadow_cost.py            # this tree
-    PYTHONPATH=/path/to/other .venv/bin/python benchmarks/shadow_cost.py
+    cd /tmp && PYTHONPATH=/path/to/this/tree python /path/to/this/tree/benchmarks/shadow_cost.py
+    cd /tmp && PYTHONPATH=/path/to/other/tree python /path/to/this/tree/benchmarks/shadow_cost.py
 """
 
 from __future__ import annotations

@@ -407,20 +407,24 @@ def count_collectives(sizes: list[int], join: bool, sync: str, microbatch: int) 
     return {'steps': counter.steps, 'shadow': counter.shadow}
 
 
-def event_costs(sizes: list[int], join: bool = True) -> dict[str, Any]:
+def event_costs(
+    sizes: list[int], join: bool = True, microbatch: Optional[int] = None, calls: bool = True
+) -> dict[str, Any]:
     """A Composer fit whose per-step work is timed piece by piece (``perf_counter`` around each call).
 
     Timed: ``UnevenJoin.apply`` per event; ``UnevenJoin.match`` (Composer's engine asks it at every
-    event); Composer's ``Engine._run_algorithms`` (which calls both and keeps a trace per algorithm
+    event; the events it matched are counted too, :data:`MATCHED`); Composer's ``Engine._run_algorithms`` (which calls both and keeps a trace per algorithm
     run); the agreement all-reduce, issuing it and waiting for it (:class:`AgreementTap`); the
     whole ``next`` of the ``JoinLoader`` (fetch, agreement, report). Each piece is summed per step
     and the median over steps is returned (so a garbage-collector pause landing in one call does
     not count). Pieces that cannot be found (the code moved) are left out. ``join=False``: a stock
-    fit, only the engine timed.
+    fit, only the engine timed. ``microbatch``: Composer's ``device_train_microbatch_size`` (None: one
+    microbatch per step). ``calls=False``: UnevenJoin's ``apply`` and ``match`` not timed (their timing wrappers
+    cost a few microseconds per event, which the engine's time then holds).
     """
     rank = dist.get_global_rank()
     counter = _StepCounter()
-    trainer, _ = make_trainer(shard(rank, sizes), joined(join), [counter])
+    trainer, _ = make_trainer(shard(rank, sizes), joined(join), [counter], microbatch=microbatch)
     costs: dict[str, dict[int, float]] = {}
 
     def add(name: str, seconds: float) -> None:
@@ -453,12 +457,19 @@ def event_costs(sizes: list[int], join: bool = True) -> dict[str, Any]:
     engine._run_algorithms = timed(ENGINE, engine._run_algorithms)
     algorithm = next((a for a in trainer.state.algorithms if isinstance(a, UnevenJoin)), None)
     original_iter = getattr(getattr(composer_join.join.loader, 'JoinLoader', None), '__iter__', None) if join else None
-    if algorithm is not None:
+    if algorithm is not None and calls:
         original_apply, original_match = algorithm.apply, algorithm.match
         algorithm.apply = lambda event, state, logger: timed(f'apply {event.value}', original_apply)(
             event, state, logger
         )
-        algorithm.match = timed('match (all events)', original_match)
+        timed_match = timed('match (all events)', original_match)
+
+        def match(event, state):
+            matched = timed_match(event, state)
+            add(MATCHED, float(bool(matched)))  # a count, not seconds
+            return matched
+
+        algorithm.match = match
     if original_iter is not None:
         composer_join.join.loader.JoinLoader.__iter__ = iterate
     tap = AgreementTap('time', lambda what, seconds: add(f'agreement all-reduce: {what}', seconds))
@@ -467,7 +478,7 @@ def event_costs(sizes: list[int], join: bool = True) -> dict[str, Any]:
             trainer.fit()
     finally:
         del engine._run_algorithms
-        if algorithm is not None:
+        if algorithm is not None and calls:
             del algorithm.apply, algorithm.match
         if original_iter is not None:
             composer_join.join.loader.JoinLoader.__iter__ = original_iter
@@ -483,6 +494,7 @@ def event_costs(sizes: list[int], join: bool = True) -> dict[str, Any]:
 
 
 ENGINE = 'Composer engine: _run_algorithms (incl. match + apply)'  # = breakdown.ENGINE
+MATCHED = 'events matched (count)'  # = breakdown.MATCHED: how many events UnevenJoin.match said yes to
 
 
 class _StepCounter(Callback):

@@ -29,7 +29,8 @@ Composer                 ``composer.core.data_spec._default_split_batch``,
                          ``composer.trainer.trainer._get_distributed_sampler`` (reshuffling as Composer
                          does), ``State._dataloader_len`` (lifting the length cap), ``State._dataset_of``,
                          ``composer.core.engine._get_default_passes`` (the algorithm pass),
-                         ``Trainer._train_data_spec`` (found on the call stack, ``sys._getframe``)
+                         ``Trainer._train_data_spec`` and ``Trainer._ddp_sync_strategy`` (found on the
+                         call stack, ``sys._getframe``; without the strategy: every step is watched)
 torchmetrics             ``Metric._defaults``, ``_reductions``, ``_update_count``, ``_computed``
 Hugging Face datasets    ``IterableDataset._ex_iterable`` (a shuffle buffer; without it: assumed)
 =======================  ============================================================================
@@ -53,6 +54,7 @@ __all__ = [
     'broadcast_ddp_buffers',
     'dataloader_cap_off',
     'dataset_of',
+    'ddp_sync_strategy',
     'default_count',
     'default_passes',
     'default_split_batch',
@@ -303,6 +305,20 @@ def set_default_passes(passes: Callable[[], list]) -> None:
     engine._get_default_passes = passes
 
 
+def _on_trainer(state: Any, name: str, kind: Any = object) -> Any:
+    """Attribute ``name`` of the running ``Trainer`` whose ``state`` is ``state``, found on the call stack from inside
+    one of its events (algorithms are not given the ``Trainer``); None if not found or not a ``kind``."""
+    frame: Optional[FrameType] = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get('self')
+        if getattr(owner, 'state', None) is state:
+            value = getattr(owner, name, None)
+            if isinstance(value, kind):
+                return value
+        frame = frame.f_back
+    return None
+
+
 def train_data_spec(state: Any) -> Any:
     """The ``DataSpec`` the running ``Trainer`` splits train batches with, found from inside one of its events.
 
@@ -311,15 +327,17 @@ def train_data_spec(state: Any) -> Any:
     """
     from composer.core import DataSpec
 
-    frame: Optional[FrameType] = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get('self')
-        if getattr(owner, 'state', None) is state:
-            spec = getattr(owner, '_train_data_spec', None)
-            if isinstance(spec, DataSpec):
-                return spec
-        frame = frame.f_back
-    return None
+    return _on_trainer(state, '_train_data_spec', DataSpec)
+
+
+def ddp_sync_strategy(state: Any) -> Optional[str]:
+    """The running ``Trainer``'s ``ddp_sync_strategy`` (``'single_auto_sync'``, ``'multi_auto_sync'`` or
+    ``'forced_sync'``: Composer resolves its default in ``Trainer.__init__`` and keeps it as ``_ddp_sync_strategy``),
+    found like :func:`train_data_spec`; None if not found."""
+    from composer.distributed import DDPSyncStrategy
+
+    strategy = _on_trainer(state, '_ddp_sync_strategy', DDPSyncStrategy)
+    return None if strategy is None else str(strategy.value)
 
 
 # -- torchmetrics ----------------------------------------------------------------------------------------------

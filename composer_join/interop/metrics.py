@@ -57,7 +57,7 @@ from torchmetrics.utilities.data import dim_zero_cat
 
 from composer_join.core import compat
 
-__all__ = ['MetricStates', 'count_shadow_update', 'shadow_update']
+__all__ = ['MetricStates', 'count_shadow_update', 'has_list_states', 'shadow_update']
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,9 @@ def _list_states(metric: Metric) -> list[str]:
     return compat.metric_list_states(metric)
 
 
-def _has_list_states(metric: Metric) -> bool:
-    return any(_list_states(leaf) for leaf in _leaves(metric))
+def has_list_states(metric: Any) -> bool:
+    """Whether ``metric`` (or a metric inside it) has list states, which :meth:`MetricStates.fill` makes syncable."""
+    return isinstance(metric, Metric) and any(_list_states(leaf) for leaf in _leaves(metric))
 
 
 def _empty_like(x: Any) -> Any:
@@ -146,7 +147,7 @@ class MetricStates:
         list-state metric, never to ``metrics`` themselves. Once per metric name.
         """
         for name, metric in metrics.items():
-            if name in self._empties or not isinstance(metric, Metric) or not _has_list_states(metric):
+            if name in self._empties or not has_list_states(metric):
                 continue
             copy_ = _fresh_copy(metric)
             try:

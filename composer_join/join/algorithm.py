@@ -1,39 +1,45 @@
 """``UnevenJoin``: the Composer algorithm that lets ranks with less data join instead of stopping everyone.
 
 The class only routes Composer's events (its table, :data:`ROUTES`) to a
-:class:`~composer_join.join.session.Run`, made at the trainer's first active start event, which does the work
-through the pieces beneath it:
+:class:`~composer_join.join.session.Run`, made at the trainer's first active start event, and its sessions: a fit's
+(:class:`~composer_join.join.fit.FitSession`) and an evaluation's or ``predict()``'s
+(:class:`~composer_join.join.evaluation.EvalSession`), which do the work through the pieces beneath them.
+``match`` asks the run (:meth:`~composer_join.join.session.Run.wants`): on a training step where no rank shadows,
+UnevenJoin matches almost nothing (:mod:`composer_join.join.fit`), so Composer's event loop does not run it there.
 
 ========================  ======================================================================
-event                     what happens (:class:`~composer_join.join.session.Run`)
+event                     what happens
 ========================  ======================================================================
-``FIT_START``             agree on the epoch length (longest rank's); wrap the train dataloader in a
-                          :class:`~composer_join.join.loader.JoinLoader` over the batch source
-                          ``mode`` asks for; per-rank positions of data that keeps one; resume
+``FIT_START``             a fit's session: agree on the epoch length (longest rank's); wrap the train dataloader
+                          in a :class:`~composer_join.join.loader.JoinLoader` over the batch source ``mode`` asks
+                          for; per-rank positions of data that keeps one; resume
 ``EPOCH_START``           reshuffle a ``DistributedSampler``; lift Composer's ``dataloader_len`` cap
                           for the epoch's loop (:func:`~composer_join.join.loader.lift_cap`)
 ``BEFORE_DATALOADER``     put the cap back once the loop has started (schedules read it)
 ``AFTER_DATALOADER``      only where some rank's trainer has other algorithms: a shadow step's stand-in
                           for those that run; every step: the counts again (:mod:`composer_join.interop.replan`)
-``BEFORE_TRAIN_BATCH``    wrapper: new step
-``BEFORE_FORWARD``        shadow or real (:class:`~composer_join.join.microbatches.Microbatches`); the
-                          wrapper makes a stand-in inert, or it runs on a two-sample template
+``BEFORE_TRAIN_BATCH``    a step UnevenJoin runs in (some rank shadows, or a setting needs it): the wrapper's step
+``BEFORE_FORWARD``        the microbatch's record (shadow or real, made once,
+                          :class:`~composer_join.join.microbatches.Microbatch`); the wrapper's part of it entered:
+                          a stand-in made inert, or run on a two-sample template
 ``AFTER_FORWARD``         wrapper: automatic microbatching's OOM checks (:mod:`composer_join.interop.oom`)
 ``AFTER_LOSS``            wrapper check
 ``BEFORE_BACKWARD``       weight the gradient: ``0`` for a stand-in, ``A_t / W`` if asked (last)
-``AFTER_BACKWARD``        wrapper: syncing and buffers back; a stand-in's metrics kept out
+``AFTER_BACKWARD``        wrapper: syncing and buffers back, its part of the microbatch exits; a stand-in's
+                          metrics kept out
 ``AFTER_TRAIN_BATCH``     metrics back, list states made syncable (:mod:`composer_join.interop.metrics`)
 ``EPOCH_END``             stop every rank if some rank could not form a batch; log the epoch's report
-``*_CHECKPOINT``          before a checkpoint is saved: wrapper (DDP): buffers equal on every rank;
+``*_CHECKPOINT``          where a checkpoint is saved: wrapper (DDP): buffers equal on every rank;
                           every rank's position in its data gathered (:mod:`composer_join.data.resume`)
 ``FIT_END``               wrapper (DDP): buffers equal at the end of ``fit``; the positions gathered;
-                          Composer's checkpointed attributes as they were
-``EVAL_START``            wrap this evaluator's dataloader the same way, lift the cap; wrapper part
+                          the fit's register undone (Composer's checkpointed attributes as they were)
+``EVAL_START``            an evaluation's session: this evaluator's dataloader wrapped the same way, the cap
+                          lifted; wrapper part
 ``EVAL_BATCH_START``      automatic microbatching: keep the metric states, for a retry after an OOM
-``EVAL_BEFORE_FORWARD``   a retry: metric states back; shadow or real, as in training
+``EVAL_BEFORE_FORWARD``   a retry: metric states back; the batch's record, shadow or real, as in training
 ``EVAL_AFTER_FORWARD``    a stand-in's eval metrics kept out
 ``EVAL_BATCH_END``        metrics back, list states made syncable
-``EVAL_END``              stop every rank if some rank could not form a batch; back to the train plan
+``EVAL_END``              stop every rank if some rank could not form a batch; the session dropped
 ``PREDICT_*``             as evaluation (:mod:`composer_join.interop.predict`); a stand-in's outputs hold
                           zero samples
 ========================  ======================================================================
@@ -60,6 +66,8 @@ from composer_join.core.report import EpochReport
 from composer_join.core.settings import row as settings_row
 from composer_join.data.resume import Resumed, restore, snapshot
 from composer_join.interop.predict import PREDICT_EVENTS
+from composer_join.join.context import Settings
+from composer_join.join.fit import CHECKPOINT_EVENTS, TRAIN_MICROBATCH_EVENTS
 from composer_join.join.loader import JoinLoader
 from composer_join.join.session import Run
 
@@ -69,54 +77,48 @@ log = logging.getLogger(__name__)
 
 _STARTS = frozenset((Event.FIT_START, Event.EVAL_START, Event.PREDICT_START))
 # the per-microbatch events, at which composer_join.join.passes keeps the other algorithms off a shadow microbatch
-MICROBATCH_EVENTS = frozenset(
+MICROBATCH_EVENTS = TRAIN_MICROBATCH_EVENTS | frozenset(
     (
-        Event.BEFORE_FORWARD,
-        Event.AFTER_FORWARD,
-        Event.BEFORE_LOSS,
-        Event.AFTER_LOSS,
-        Event.BEFORE_BACKWARD,
-        Event.AFTER_BACKWARD,
         Event.EVAL_BEFORE_FORWARD,
         Event.EVAL_AFTER_FORWARD,
         Event.PREDICT_BEFORE_FORWARD,
         Event.PREDICT_AFTER_FORWARD,
     )
 )
-_CHECKPOINTS = (Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT, Event.ITERATION_CHECKPOINT)
 
 Route = Callable[[Run, State, Logger, Event], None]
 ROUTES: dict[Event, Route] = {
-    Event.FIT_START: lambda run, state, logger, event: run.fit_start(state, logger),
-    Event.EPOCH_START: lambda run, state, logger, event: run.epoch_start(state, logger),
-    Event.BEFORE_DATALOADER: lambda run, state, logger, event: run.before_dataloader(state, logger),
-    Event.AFTER_DATALOADER: lambda run, state, logger, event: run.after_dataloader(state, logger),
-    Event.BEFORE_TRAIN_BATCH: lambda run, state, logger, event: run.before_train_batch(state, logger),
-    Event.BEFORE_FORWARD: lambda run, state, logger, event: run.before_forward(state, logger),
-    Event.AFTER_FORWARD: lambda run, state, logger, event: run.after_forward(state, logger),
-    Event.AFTER_LOSS: lambda run, state, logger, event: run.after_loss(state, logger),
-    Event.BEFORE_BACKWARD: lambda run, state, logger, event: run.before_backward(state, logger),
-    Event.AFTER_BACKWARD: lambda run, state, logger, event: run.after_backward(state, logger),
-    Event.AFTER_TRAIN_BATCH: lambda run, state, logger, event: run.after_train_batch(state, logger),
-    Event.EPOCH_END: lambda run, state, logger, event: run.epoch_end(state, logger),
-    Event.FIT_END: lambda run, state, logger, event: run.fit_end(state, logger),
-    Event.EVAL_START: lambda run, state, logger, event: run.eval_start(state, logger),
-    Event.EVAL_BATCH_START: lambda run, state, logger, event: run.eval_batch_start(state, logger),
-    Event.EVAL_BEFORE_FORWARD: lambda run, state, logger, event: run.eval_before_forward(state, logger),
-    Event.EVAL_AFTER_FORWARD: lambda run, state, logger, event: run.eval_after_forward(state, logger),
-    Event.EVAL_BATCH_END: lambda run, state, logger, event: run.eval_batch_end(state, logger),
-    Event.EVAL_END: lambda run, state, logger, event: run.eval_end(state, logger),
-    Event.PREDICT_START: lambda run, state, logger, event: run.predict_start(state, logger),
-    Event.PREDICT_BEFORE_FORWARD: lambda run, state, logger, event: run.predict_before_forward(state, logger),
-    Event.PREDICT_AFTER_FORWARD: lambda run, state, logger, event: run.predict_after_forward(state, logger),
-    Event.PREDICT_END: lambda run, state, logger, event: run.eval_end(state, logger),
-    **{e: lambda run, state, logger, event: run.checkpoint(state, logger, event) for e in _CHECKPOINTS},
+    Event.FIT_START: lambda run, state, logger, event: run.fit_start(state),
+    Event.EPOCH_START: lambda run, state, logger, event: run.fit.epoch_start(state),
+    Event.BEFORE_DATALOADER: lambda run, state, logger, event: run.fit.before_dataloader(state),
+    Event.AFTER_DATALOADER: lambda run, state, logger, event: run.fit.after_dataloader(state),
+    Event.BEFORE_TRAIN_BATCH: lambda run, state, logger, event: run.fit.before_train_batch(state),
+    Event.BEFORE_FORWARD: lambda run, state, logger, event: run.fit.before_forward(state),
+    Event.AFTER_FORWARD: lambda run, state, logger, event: run.fit.after_forward(state),
+    Event.AFTER_LOSS: lambda run, state, logger, event: run.fit.after_loss(state),
+    Event.BEFORE_BACKWARD: lambda run, state, logger, event: run.fit.before_backward(state),
+    Event.AFTER_BACKWARD: lambda run, state, logger, event: run.fit.after_backward(state),
+    Event.AFTER_TRAIN_BATCH: lambda run, state, logger, event: run.fit.after_train_batch(state),
+    Event.EPOCH_END: lambda run, state, logger, event: run.fit.epoch_end(state, logger),
+    Event.FIT_END: lambda run, state, logger, event: run.fit_end(state),
+    Event.EVAL_START: lambda run, state, logger, event: run.eval_start(state),
+    Event.EVAL_BATCH_START: lambda run, state, logger, event: run.evaluation.batch_start(state),
+    Event.EVAL_BEFORE_FORWARD: lambda run, state, logger, event: run.evaluation.before_forward(state),
+    Event.EVAL_AFTER_FORWARD: lambda run, state, logger, event: run.evaluation.after_forward(state),
+    Event.EVAL_BATCH_END: lambda run, state, logger, event: run.evaluation.batch_end(state),
+    Event.EVAL_END: lambda run, state, logger, event: run.eval_end(state),
+    Event.PREDICT_START: lambda run, state, logger, event: run.eval_start(state, predict=True),
+    Event.PREDICT_BEFORE_FORWARD: lambda run, state, logger, event: run.evaluation.before_forward(state),
+    Event.PREDICT_AFTER_FORWARD: lambda run, state, logger, event: run.evaluation.after_forward(state),
+    Event.PREDICT_END: lambda run, state, logger, event: run.eval_end(state),
+    **{e: lambda run, state, logger, event: run.fit.checkpoint(state, event) for e in CHECKPOINT_EVENTS},
 }
-"""What each event does: a method of the :class:`~composer_join.join.session.Run`."""
+"""What each event does: a method of the :class:`~composer_join.join.session.Run` or of its current session."""
 assert ROUTES.keys() >= PREDICT_EVENTS
-# UnevenJoin matches every microbatch event (the pass sees only matching algorithms, so UnevenJoin must match them
-# all to keep the others off a shadow microbatch); sets: Composer's Event compares by a Python __eq__
-_EVENTS = frozenset(ROUTES) | MICROBATCH_EVENTS
+# The events UnevenJoin may match: on a shadow microbatch it must match every microbatch event (the pass sees only
+# matching algorithms, so it keeps the others off only where UnevenJoin matches). By identity: Composer's Event
+# hashes and compares in Python, and match runs at every event.
+_EVENT_IDS = frozenset(map(id, frozenset(ROUTES) | MICROBATCH_EVENTS))
 
 
 class UnevenJoin(Algorithm):
@@ -220,7 +222,7 @@ class UnevenJoin(Algorithm):
     @property
     def is_shadow_step(self) -> bool:
         """True while this rank runs a shadow step (it has run out of data, others have not)."""
-        return self._run is not None and self._run.microbatches.shadow_step
+        return self._run is not None and self._run.shadow_step
 
     @property
     def train_loader(self) -> Optional[JoinLoader]:
@@ -252,14 +254,18 @@ class UnevenJoin(Algorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Called by Composer when it loads a checkpoint (``load_path``, ``autoresume``), before ``fit``."""
         self._resumed = restore(state)
-        self.reports = self._resumed.reports
+        self.reports[:] = self._resumed.reports  # (the run appends to this list)
         if self._run is not None:
             self._run.resumed = self._resumed
-            self._run.reports = self.reports
             self._run.wrapper.load_state_dict(self._resumed.wrapper)
 
     def match(self, event: Event, state: State) -> bool:
-        return event in _EVENTS and (self._active or (self._active is None and event in _STARTS))
+        """Whether UnevenJoin runs at ``event``: active, as its run decides (:meth:`Run.wants`: on a training step
+        where no rank shadows, almost never); not decided yet, at a start event."""
+        run = self._run
+        if run is not None:  # (made where active)
+            return id(event) in _EVENT_IDS and run.wants(event, state)
+        return self._active is None and event in _STARTS
 
     @property
     def regathers_counts(self) -> bool:
@@ -270,13 +276,14 @@ class UnevenJoin(Algorithm):
     def stands_in(self, others: bool) -> bool:
         """For :mod:`composer_join.join.passes` at ``AFTER_DATALOADER``: whether other algorithms (``others``) run
         on a shadow step here, so that UnevenJoin first puts the stand-in in place for them."""
-        if self._run is None:
+        if self._run is None or self._run.fit is None:
             return False
-        self._run.others_at_dataloader = others
+        self._run.fit.others_at_dataloader = others
         return others and self.is_shadow_step
 
     def shadows_microbatch(self, event: Event) -> bool:
-        """Whether the current microbatch is a stand-in; for :func:`composer_join.join.passes.join_pass`, at its events."""
+        """Whether the current microbatch is a stand-in (its record, made in ``match``); for
+        :func:`composer_join.join.passes.join_pass`, at its events."""
         return self._run is not None and self._run.shadows(event)
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
@@ -310,16 +317,10 @@ class UnevenJoin(Algorithm):
             if why is not None:
                 log.info('UnevenJoin is inactive (%s): Composer runs exactly as without it.', why)
             else:
-                self._run = Run(
-                    state,
-                    self.mode,
-                    self.divide_by_initial_world_size,
-                    self.throw_on_early_termination,
-                    settings,
-                    self.reports,
-                    resumed,
-                    self,
+                config = Settings(
+                    self.mode, self.divide_by_initial_world_size, self.throw_on_early_termination, tuple(settings)
                 )
+                self._run = Run(state, config, self.reports, resumed, self)
         return self._active
 
 

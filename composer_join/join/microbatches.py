@@ -1,26 +1,29 @@
-"""What UnevenJoin does at every microbatch of a step, an evaluation or ``predict()``: shadow or real, and its metrics.
+"""Each microbatch UnevenJoin runs in, decided once: the frozen record, the stand-in input, the metrics kept out.
 
-:class:`Microbatches` is made once per run (a trainer's first active start) and called by
-:class:`~composer_join.join.session.Run` from Composer's per-microbatch events, on every rank:
+A session (:mod:`composer_join.join.fit`, :mod:`composer_join.join.evaluation`) holds one :class:`Microbatches` per
+loader it reads (its ``DataSpec`` counts samples, its :class:`~composer_join.join.loader.Learned` record holds what is
+learned from the dataloader), and calls it on every rank:
 
-* :meth:`Microbatches.start` (``BEFORE_FORWARD``, ``EVAL_BEFORE_FORWARD``, ``PREDICT_BEFORE_FORWARD``; the
-  algorithm pass asks first): whether this microbatch is a stand-in (a joined rank's, or an empty padding one);
+* :meth:`Microbatches.begin` (``BEFORE_FORWARD``, ``EVAL_BEFORE_FORWARD``, ``PREDICT_BEFORE_FORWARD``, from the
+  algorithm's ``match``, before the algorithm pass asks): the microbatch's :class:`Microbatch` record, made once and
+  frozen: a stand-in or real, its samples, whether its forward gets the template, its gradient weight. The pass
+  reads it; so does every later event of the microbatch. Nothing decides it again;
 * :meth:`Microbatches.feed`: a stand-in's forward gets two real samples instead of the empty batch (a fresh
   copy of a template every time: models take apart the batch they are given); a real one keeps a template;
 * :meth:`Microbatches.stand_in_for_others` (a shadow step's ``AFTER_DATALOADER``, first and last): the other
   algorithms see the template, then the zero-sample batch comes back, the model's buffers as they were;
-* :meth:`Microbatches.keep_metrics_out` / :meth:`Microbatches.metrics_back`: a stand-in's updates never
+* :meth:`Microbatches.keep_train_metrics_out` / :meth:`Microbatches.metrics_back`: a stand-in's updates never
   reach the train or eval metrics, which a shadow microbatch still makes syncable
   (:mod:`composer_join.interop.metrics`).
 
-What is learned from the current dataloader (the template a stand-in runs on, the empty states of its list-state
-metrics) is read from and kept in the current loader's :class:`~composer_join.join.loader.Learned` record: the
-dataloader's, never the label's. What a step changes for its stand-ins (the batch put aside at ``AFTER_DATALOADER``
-and the buffers around it, the metrics kept out) is held in a record of that step alone (:class:`Step`), made
-fresh for each step and put back by the loader's register of the step (``JoinLoader.step_changes``) when the step
-ends, also when the run raises: nothing of a step reaches the next one, or the next fit.
+What a step changes for its stand-ins (the batch put aside at ``AFTER_DATALOADER`` and the buffers around it, the
+metrics kept out, the wrapper's part of the current microbatch) is held in a record of that step alone
+(:class:`Step`), made fresh for each step and ended by the loader's register of the step
+(``JoinLoader.step_changes``) when the step ends, also when the run raises: nothing of a step reaches the next one,
+or the next fit.
 
-Cost: a template of two samples per dataloader, kept on the device; per stand-in microbatch, a copy of it.
+Cost: a template of two samples per dataloader, kept on the device; per stand-in microbatch, a copy of it; per
+microbatch UnevenJoin runs in, one sample count with the ``DataSpec``.
 """
 
 from __future__ import annotations
@@ -29,29 +32,49 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-from composer.core import State
+from composer.core import DataSpec, State
 
 from composer_join.core.batches import first_samples
-from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan
 from composer_join.interop.metrics import MetricStates, count_shadow_update, shadow_update
-from composer_join.interop.oom import EvalRetry
 from composer_join.join.loader import JoinLoader, Learned
 from composer_join.shadow.buffers import BufferGuard
+from composer_join.shadow.dataspec import count_samples
+from composer_join.wrappers.wrapper import Microbatch as WrapperMicrobatch
 
-__all__ = ['TEMPLATE_SAMPLES', 'Microbatches', 'Step']
+__all__ = ['TEMPLATE_SAMPLES', 'Microbatch', 'Microbatches', 'Step']
 
 TEMPLATE_SAMPLES = 2
 """Samples in a shadow forward: two, so that BatchNorm in training mode accepts it."""
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """One microbatch as UnevenJoin decided it at its ``BEFORE_FORWARD``, once; read by the pass and every later event.
+
+    Example:
+        >>> Microbatch(shadow=True, samples=0, fed=True, weight=0.0).shadow
+        True
+    """
+
+    shadow: bool
+    """A stand-in (this rank shadows the step, or the microbatch has no samples): weighted zero, its metrics kept
+    out, and no other algorithm sees it (:mod:`composer_join.join.passes`)."""
+    samples: int
+    """Its samples as Composer counts them (0 if none or uncountable)."""
+    fed: bool
+    """A stand-in whose forward runs on the template's two samples (the wrapper did not make it inert)."""
+    weight: float
+    """The factor on its gradient: ``0`` for a stand-in, ``A_t / W`` (or 1) for a real one
+    (:func:`~composer_join.shadow.gradients.scale_grad`)."""
 
 
 @dataclass
 class Step:
     """What one step (a training step, an evaluation or ``predict()`` batch) changed for its stand-ins, until put back.
 
-    Made by :class:`Microbatches` for each step of the current loader; :meth:`end` runs when the step's register
-    of changes is undone (the step ends, its iteration ends, or the run raises), so nothing outlives the step.
+    Made by :class:`Microbatches` for each step of its loader; :meth:`end` runs when the step's register of changes
+    is undone (the step ends, its iteration ends, or the run raises), so nothing outlives the step.
     """
 
     state: State
@@ -59,6 +82,22 @@ class Step:
     """``AFTER_DATALOADER`` of a shadow step: the zero-sample batch put aside for the stand-in, the buffers' guard."""
     stashed: Optional[tuple[dict, dict]] = None
     """Metrics emptied for a stand-in microbatch, and their content."""
+    microbatch: Optional[Microbatch] = None
+    """The current microbatch's record."""
+    wrapped: Optional[WrapperMicrobatch] = None
+    """The wrapper's part of the current training microbatch: made with its record, entered at ``BEFORE_FORWARD``
+    (:meth:`enter`), until it exits (:meth:`exit`)."""
+
+    def enter(self) -> None:
+        """The wrapper's part of the current microbatch begins: its changes, its stand-ins."""
+        if self.wrapped is not None:
+            self.wrapped.__enter__()
+
+    def exit(self) -> None:
+        """The wrapper's part of the current microbatch exits: its stand-ins undone (a no-op if there is none)."""
+        wrapped, self.wrapped = self.wrapped, None
+        if wrapped is not None:
+            wrapped.__exit__(None, None, None)
 
     def put_back(self) -> None:
         """The zero-sample batch back in place of the stand-in, the buffers as they were before it."""
@@ -75,93 +114,101 @@ class Step:
         return True
 
     def end(self) -> None:
+        self.exit()
         self.put_back()
         self.refill()
 
 
 class Microbatches:
-    """The current microbatch's shadowing: its input, the buffers around other algorithms, the metrics it keeps out.
+    """The microbatches of one loader's steps: their records, their input, the buffers around others, their metrics.
 
     Args:
-        plan: ``() ->`` the current step's plan (None outside a step).
+        state: the trainer's state.
+        loader: the join's loader the microbatches come from (None: a dataloader left to Composer, whose
+            microbatches are all real).
+        spec: the ``DataSpec`` Composer counts the loader's batches with.
         rank: this rank.
-        loader: ``() ->`` the current loader (None: none is, e.g. ``predict()`` left to Composer): its ``DataSpec``
-            counts samples, and what was learned from its dataloader (:class:`~composer_join.join.loader.Learned`:
-            the template, first samples of a real batch, this rank's or, with no data of its own, another rank's).
-        to_device: where metric states go (the trainer's device).
     """
 
-    def __init__(
-        self,
-        plan: Callable[[], Optional[StepPlan]],
-        rank: int,
-        loader: Callable[[], Optional[JoinLoader]],
-        to_device: Callable[[torch.Tensor], torch.Tensor],
-    ):
-        self.plan, self.rank, self.loader, self.to_device = plan, rank, loader, to_device
-        self.shadow = False  # the current microbatch is a stand-in
-        self.fed = True  # the current train microbatch's forward ran on the input feed() gave it
-        self._step: Optional[tuple[Optional[Changes], Step]] = None  # the current step's register, and its record
-        self.eval_retry = EvalRetry()  # automatic eval microbatching: undo a retried batch's metric updates
+    def __init__(self, state: State, loader: Optional[JoinLoader], spec: Optional[DataSpec], rank: int):
+        self.state, self.loader, self.spec, self.rank = state, loader, spec, rank
+        self._step: Optional[tuple[Any, Step]] = None  # the current step's register, and its record
 
     @property
-    def shadow_step(self) -> bool:
-        """This rank runs a shadow step: it has run out of data, others have not."""
-        plan = self.plan()
-        return plan is not None and not plan.has_batch(self.rank)
+    def learning(self) -> bool:
+        """A real microbatch has yet to give the stand-in input (the first of this loader's dataloader)."""
+        learned = self._learned()
+        return learned is not None and learned.stand_in is None
 
-    def start(self, state: State) -> int:
-        """A microbatch starts: decide whether it is a stand-in; return its samples (0 if none or uncountable)."""
-        loader = self.loader()
-        samples = loader.samples(state.batch) if loader is not None else -1
-        self.shadow = self.shadow_step or samples == 0
-        return max(samples, 0)
+    @property
+    def current(self) -> Optional[Microbatch]:
+        """The record of the microbatch running now (None before the first of the step)."""
+        return self.step().microbatch
 
-    def feed(self, state: State) -> None:
+    def begin(
+        self,
+        plan: Optional[StepPlan],
+        wrap: Optional[Callable[[bool, int], WrapperMicrobatch]] = None,
+        divide: bool = True,
+    ) -> Microbatch:
+        """A microbatch starts: its record, made once, and (training) the wrapper's part of it, ``wrap(shadow,
+        samples)``, not entered yet; a part the last microbatch left exits first. ``divide``:
+        ``divide_by_initial_world_size``."""
+        batch = self.state.batch
+        samples = count_samples(self.spec, batch) if self.loader is not None and self.spec is not None else -1
+        shadow = (plan is not None and not plan.has_batch(self.rank)) or samples == 0
+        step = self.step()
+        step.exit()
+        wrapped = wrap(shadow, max(samples, 0)) if wrap is not None else None
+        inert = wrapped is not None and wrapped.inert
+        weight = 0.0 if shadow else plan.grad_factor(divide) if plan is not None else 1.0
+        record = Microbatch(shadow=shadow, samples=max(samples, 0), fed=shadow and not inert, weight=weight)
+        step.microbatch, step.wrapped = record, wrapped
+        return record
+
+    def feed(self, record: Microbatch) -> None:
         """Stand-in: give the forward two real samples instead of the empty batch; real: keep two.
 
         A model may take apart the batch it is given (``HuggingFaceModel.eval_forward`` pops ``labels`` and
         shifts them in place), so no batch object goes to the model twice: the template is a copy taken before
         the forward, and every stand-in microbatch gets a fresh copy of it.
         """
-        learned = self._learned()
-        if not self.shadow:
+        if record.fed:
+            self.state.batch = first_samples(self.template(), TEMPLATE_SAMPLES)
+        elif not record.shadow:
+            learned = self._learned()
             if learned is not None and learned.stand_in is None:
-                learned.stand_in = first_samples(state.batch, TEMPLATE_SAMPLES)
-            return
-        state.batch = first_samples(self.template(state), TEMPLATE_SAMPLES)
+                learned.stand_in = first_samples(self.state.batch, TEMPLATE_SAMPLES)
 
-    def template(self, state: State) -> Any:
+    def template(self) -> Any:
         """The current dataloader's stand-in input: this rank's first samples, or (never had data) the template other
         ranks sent, on the device."""
         learned = self._learned()
         if learned is None:  # a stand-in is only ever asked for where a loader is current
             raise RuntimeError('UnevenJoin: a stand-in microbatch with no dataloader of the join current')
         if learned.stand_in is None:
-            learned.stand_in = state.device.batch_to_device(first_samples(learned.template, TEMPLATE_SAMPLES))
+            learned.stand_in = self.state.device.batch_to_device(first_samples(learned.template, TEMPLATE_SAMPLES))
         return learned.stand_in
 
-    def step(self, state: State) -> Step:
-        """The current step's record: made with the first call in each step of the current loader, ended with it."""
-        loader = self.loader()
-        register = loader.step_changes if loader is not None else None
+    def step(self) -> Step:
+        """The current step's record: made with the first call in each step of the loader, ended with it."""
+        register = self.loader.step_changes if self.loader is not None else None
         if self._step is None or self._step[0] is not register:
-            step = Step(state)
+            step = Step(self.state)
             if register is not None:
                 register.call(step.end)
             self._step = (register, step)
         return self._step[1]
 
     def _learned(self) -> Optional[Learned]:
-        loader = self.loader()
-        return loader.learned if loader is not None else None
+        return self.loader.learned if self.loader is not None else None
 
     def _metric_states(self) -> MetricStates:
-        """The current dataloader's list-state metrics; with no loader current, states learned from nothing."""
+        """The dataloader's list-state metrics; with no loader, states learned from nothing."""
         learned = self._learned()
-        return learned.metric_states if learned is not None else MetricStates(self.to_device)
+        return learned.metric_states if learned is not None else MetricStates(self.state.device.tensor_to_device)
 
-    def stand_in_for_others(self, state: State) -> bool:
+    def stand_in_for_others(self) -> bool:
         """A shadow step's ``AFTER_DATALOADER``: run first (returns True) and last (False), see :mod:`.passes`.
 
         First: the zero-sample batch is put aside and the two-sample stand-in takes its place, so the
@@ -170,52 +217,52 @@ class Microbatches:
         splits it), with the module buffers as they were (a :class:`~composer_join.shadow.buffers.BufferGuard`:
         buffers a forward replaced come back too).
         """
-        step = self.step(state)
+        step = self.step()
         if step.held is None:
-            guard = BufferGuard(state.model)
+            guard = BufferGuard(self.state.model)
             guard.armed = True
             guard.snapshot()
-            step.held = (state.batch, guard)
-            self.shadow = True
-            self.feed(state)
+            step.held = (self.state.batch, guard)
+            self.state.batch = first_samples(self.template(), TEMPLATE_SAMPLES)
             return True
         step.put_back()
         return False
 
-    def keep_train_metrics_out(self, state: State) -> None:
+    def keep_train_metrics_out(self, record: Microbatch) -> None:
         """After a stand-in's backward: its update probes the metrics (so they stay syncable), then they are emptied.
 
         The metrics see the batch the forward ran on: the template, or (a forward that communicates, run on the
         zero-sample batch) none of it; without outputs (a skipped forward) ``eval_forward`` runs it.
         """
-        if not (self.shadow and state.train_metrics):
+        state = self.state
+        if not (record.shadow and state.train_metrics):
             return
-        template = self.template(state)
-        rows = TEMPLATE_SAMPLES if self.fed or state.outputs is None else 0
+        template = self.template()
+        rows = TEMPLATE_SAMPLES if record.fed or state.outputs is None else 0
         self._metric_states().probe(state.train_metrics, shadow_update(state, lambda: first_samples(template, rows)))
-        self._stash(state, state.train_metrics)
+        self._stash(state.train_metrics)
 
-    def keep_eval_metrics_out(self, state: State) -> None:
+    def keep_eval_metrics_out(self, record: Microbatch) -> None:
         """After a stand-in's eval forward: as :meth:`keep_train_metrics_out`, for the evaluator's metrics."""
-        if not self.shadow:
+        if not record.shadow:
             return
-        metrics = state.eval_metrics[state.dataloader_label]
-        self._metric_states().probe(metrics, shadow_update(state))
-        self._stash(state, metrics)
+        metrics = self.state.eval_metrics[self.state.dataloader_label]
+        self._metric_states().probe(metrics, shadow_update(self.state))
+        self._stash(metrics)
 
-    def metrics_back(self, state: State, metrics: Optional[dict]) -> None:
+    def metrics_back(self, metrics: Optional[dict]) -> None:
         """The step or eval batch ends: refill the metrics a stand-in emptied, make list states syncable."""
-        if self.step(state).refill():  # no "compute before update" warning that the ranks with data do not give
+        if self.step().refill():  # no "compute before update" warning that the ranks with data do not give
             count_shadow_update(metrics or {})
         self._metric_states().fill(metrics or {})  # Composer computes them next
 
-    def _stash(self, state: State, metrics: dict) -> None:
+    def _stash(self, metrics: dict) -> None:
         """Empty ``metrics`` in place for this stand-in microbatch; :meth:`metrics_back` refills it (or the step's end).
 
         Stand-in microbatches come last in a step (padding follows the real ones), so once stashed, the metrics
         stay out until the step or eval batch ends.
         """
-        step = self.step(state)
+        step = self.step()
         if step.stashed is None:
             step.stashed = (metrics, dict(metrics))
         metrics.clear()

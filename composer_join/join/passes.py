@@ -7,7 +7,11 @@ reverse) and lets *algorithm passes* reorder that list per event (``composer/cor
 * on a shadow microbatch (a joined rank's, or an empty padding one), of the per-microbatch events
   (``BEFORE_FORWARD`` to ``AFTER_BACKWARD``, ``EVAL_*_FORWARD``, ``PREDICT_*_FORWARD``) only
   UnevenJoin runs: its stand-in input is weighted zero, so any other algorithm's effect on it must
-  be nil, and MixUp, CutMix and the like would otherwise mix, cut or select from it;
+  be nil, and MixUp, CutMix and the like would otherwise mix, cut or select from it. The pass only reads the
+  microbatch's record (:class:`~composer_join.join.microbatches.Microbatch`), made once in ``UnevenJoin.match``
+  at the microbatch's ``BEFORE_FORWARD``; on a step where no rank shadows and no microbatch is a stand-in,
+  UnevenJoin does not match the microbatch events at all (:mod:`composer_join.join.fit`), and the pass leaves the
+  list as it is;
 * on a shadow step's ``AFTER_DATALOADER`` (the batch has zero samples) UnevenJoin runs first and
   last: it puts the two-sample stand-in in place for the others (SelectiveBackprop's extra forward
   is a collective under FSDP, and under DDP broadcasts buffers, so it must run on every rank), then
@@ -51,6 +55,8 @@ _LAST = frozenset(e for e in Event if e.name.startswith('AFTER_')) | {
 
 def join_pass(algorithms: Sequence[Algorithm], event: Event) -> Sequence[Algorithm]:
     """Place (or isolate) UnevenJoin among ``algorithms`` for ``event``; see the module docstring."""
+    if not algorithms:  # (every event of a step where UnevenJoin matches nothing, and no other algorithm does)
+        return algorithms
     join = next((a for a in algorithms if isinstance(a, UnevenJoin)), None)
     if join is None:
         return algorithms

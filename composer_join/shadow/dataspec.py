@@ -47,6 +47,7 @@ __all__ = [
     'count_samples',
     'current_spec',
     'spec_for',
+    'split_gave_empty',
     'unwrapped_split',
 ]
 
@@ -78,10 +79,7 @@ def unwrapped_split(spec: DataSpec) -> Callable[[Any, Any], Any]:
 
     They are :class:`ShadowSplit` and :class:`~composer_join.shadow.padding.MicrobatchPadding`.
     """
-    split = spec.split_batch
-    while getattr(split, 'uneven_join_wrapper', False):
-        split = split.split  # type: ignore[attr-defined]  # one of UnevenJoin's wrappers
-    return split
+    return _unwrapped(spec.split_batch)
 
 
 def _wrappers(split: Any) -> list:
@@ -114,12 +112,19 @@ def count_microbatches(spec: DataSpec, batch: Any, microbatch_size: Any, samples
 
 
 class ShadowSplit:
-    """``split_batch`` for a ``DataSpec`` that returns a zero-sample (shadow) batch whole: one microbatch."""
+    """``split_batch`` for a ``DataSpec`` that returns a zero-sample (shadow) batch whole: one microbatch.
+
+    It also notes whether its last split gave a microbatch the ``DataSpec`` counts as zero samples out of a batch
+    that has some (:attr:`gave_empty`: a ``split_batch`` of the user's may; Composer's default never does, and is
+    not counted): UnevenJoin runs such a microbatch as a stand-in (:func:`split_gave_empty`).
+    """
 
     uneven_join_wrapper = True
 
     def __init__(self, spec: DataSpec, split: Callable[[Any, Any], Any]):
         self.spec, self.split = spec, split
+        self._own = _unwrapped(split) is not compat.default_split_batch()  # a split of the user's: counted
+        self.gave_empty = False
 
     @classmethod
     def install(cls, spec: DataSpec, changes: Changes) -> DataSpec:
@@ -130,6 +135,28 @@ class ShadowSplit:
         return spec
 
     def __call__(self, batch: Any, microbatch_size: Any) -> Any:
+        self.gave_empty = False
         if count_samples(self.spec, batch) == 0:
             return [batch]
-        return self.split(batch, microbatch_size)
+        microbatches = self.split(batch, microbatch_size)
+        if self._own:
+            microbatches = list(microbatches)
+            self.gave_empty = any(count_samples(self.spec, m) == 0 for m in microbatches)
+        return microbatches
+
+
+def split_gave_empty(spec: Optional[DataSpec]) -> bool:
+    """Whether the last split of ``spec`` (through its :class:`ShadowSplit`) gave a microbatch of no samples out of a
+    batch that has some. Cost: a look at ``spec.split_batch`` and the wrappers around it."""
+    split = spec.split_batch if spec is not None else None
+    while getattr(split, 'uneven_join_wrapper', False):
+        if isinstance(split, ShadowSplit):
+            return split.gave_empty
+        split = split.split  # type: ignore[union-attr]  # one of UnevenJoin's wrappers
+    return False
+
+
+def _unwrapped(split: Any) -> Any:
+    while getattr(split, 'uneven_join_wrapper', False):
+        split = split.split
+    return split

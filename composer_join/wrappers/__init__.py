@@ -1,7 +1,8 @@
 """One wrapper per way Composer wraps the model; :func:`wrapper_for` picks it: DDP's, FSDP's (1 and 2), or none.
 
-* :mod:`~composer_join.wrappers.wrapper`: the small interface over what differs between DDP, FSDP1, FSDP2
-  and no wrapper (the base class, which is also the no-wrapper case);
+* :mod:`~composer_join.wrappers.wrapper`: the small contract over what differs between DDP, FSDP1, FSDP2
+  and no wrapper: install with an iteration's register, whether a step where no rank shadows needs it, begin a
+  step, a microbatch as a context whose exit undoes its stand-ins (the base classes, also the no-wrapper case);
 * :mod:`~composer_join.wrappers.ddp`: where UnevenJoin reaches into torch's ``DistributedDataParallel``
   (microbatch sync, the buffer source, inert shadow microbatches);
 * :mod:`~composer_join.wrappers.fsdp`: where it reaches into Composer's FSDP (microbatch padding, the

@@ -46,10 +46,11 @@ from composer_join.shadow.shadow import (
     forward_communicates,
     skippable,
 )
-from composer_join.wrappers.wrapper import Wrapper
+from composer_join.wrappers.wrapper import Microbatch, Wrapper
 
 __all__ = [
     'BufferSource',
+    'DDPMicrobatch',
     'DDPWrapper',
     'MicrobatchSync',
     'NoModelCode',
@@ -113,25 +114,37 @@ class MicrobatchSync:
 
     A rank's last microbatch is the one that completes its batch's sample count. Call
     :meth:`start_step` once per step, :meth:`before_forward` and :meth:`after_backward` around
-    every microbatch, on every rank. Cost: one sample count per microbatch.
+    every microbatch, on every rank, on the steps where :meth:`needed`. A sync turned off goes through the
+    microbatch's register of stand-ins, so it is on again when the microbatch exits (after its backward, or
+    when a retried or raised step ends it). Cost: one sample count per microbatch.
     """
 
     def __init__(self, padded: Optional[Callable[[], int]] = None):
         self.seen = 0  # samples of this step's microbatches so far
         self.index = 0  # microbatches of this step so far
-        self.suppressed = False  # this microbatch's sync was turned off here
         self.manual = False  # this is the last microbatch and Composer syncs by hand after it
         self.last = False  # this is this rank's last microbatch of the step (its samples counted)
         self.padded = padded  # every rank runs this many microbatches (padding): Composer's own syncs match
 
-    def start_step(self, ddp: Optional[DistributedDataParallel] = None) -> None:
+    @staticmethod
+    def needed(strategy: Optional[str], ddp: DistributedDataParallel, plan: StepPlan) -> bool:
+        """Whether a step where no rank shadows needs it, under Composer's ``ddp_sync_strategy`` (None: unknown):
+        ``multi_auto_sync`` where the microbatch counts are uneven or unknown, ``forced_sync`` with
+        ``find_unused_parameters`` (DDP's); every step where the strategy is unknown."""
+        if strategy is None:
+            return True
+        if strategy == 'multi_auto_sync':
+            return not plan.even_microbatches
+        return strategy == 'forced_sync' and ddp.find_unused_parameters
+
+    def start_step(self) -> None:
         self.seen = 0
         self.index = 0
-        if self.suppressed and ddp is not None:  # a retry after an OOM (automatic microbatching) left it off
-            ddp.require_backward_grad_sync = True
-        self.suppressed = self.manual = self.last = False
+        self.manual = self.last = False
 
-    def before_forward(self, ddp: DistributedDataParallel, plan: StepPlan, rank: int, samples: int) -> None:
+    def before_forward(
+        self, ddp: DistributedDataParallel, plan: StepPlan, rank: int, samples: int, stand_ins: Changes
+    ) -> None:
         """Before the forward of a microbatch of ``samples`` samples (inside Composer's sync context)."""
         mine = plan.statuses[rank].samples
         self.seen += samples
@@ -142,8 +155,7 @@ class MicrobatchSync:
             return
         final = self.last = 0 <= mine <= self.seen
         if ddp.require_backward_grad_sync and not final and not plan.even_microbatches:
-            ddp.require_backward_grad_sync = False
-            self.suppressed = True
+            stand_ins.set(ddp, 'require_backward_grad_sync', False)  # on again when the microbatch exits
         self.manual = final and not ddp.require_backward_grad_sync
 
     def after_backward(
@@ -154,9 +166,6 @@ class MicrobatchSync:
         to_device: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
         """After the backward of the same microbatch."""
-        if self.suppressed:
-            ddp.require_backward_grad_sync = True
-            self.suppressed = False
         if self.manual and (ddp.find_unused_parameters or plan.joined_ranks):
             share_grad_presence(optimizers, to_device)
         self.manual = False
@@ -178,7 +187,7 @@ def disarm_after_retry(ddp: DistributedDataParallel) -> None:
     cleared), so ``GradBucket.parameters()`` can then name the parameters in the old order, and
     :class:`~composer_join.shadow.shadow.DDPShadow`, which writes the reduced buckets through it, would
     write them to the wrong parameters. After a reset, shadow microbatches therefore run on the template
-    (the reducer's own backward, which needs no map): :meth:`DDPWrapper.before_forward`.
+    (the reducer's own backward, which needs no map): :meth:`DDPWrapper.begin_step`.
     """
     compat.reset_reducer(ddp)
 
@@ -187,13 +196,15 @@ class ShadowWay:
     """How a shadow microbatch runs under DDP: the interface of the three ways, and the one that runs the model's
     forward and loss on two template samples (any DDP configuration: gradient weight zero, buffers guarded).
 
-    :class:`DDPWrapper` picks one per DDP object (:func:`shadow_way`) and asks it, for every shadow microbatch,
-    to :meth:`begin` (``BEFORE_FORWARD``: stand-ins go through ``microbatch``, a register undone at the end of the
-    microbatch; returns True if the microbatch needs no template input) and whether the loss Composer computes
-    then is the model's own (:attr:`model_loss`, recorded for the stand-ins' loss structure).
+    :class:`DDPWrapper` picks one per DDP object (:func:`shadow_way`); each shadow microbatch runs the way
+    :meth:`current` gives then: it is :attr:`inert` (needs no template input) or not, :meth:`begin` puts its
+    stand-ins in place (``BEFORE_FORWARD``) through the microbatch's register, undone when the microbatch exits,
+    and :attr:`model_loss` says whether the loss Composer computes then is the model's own (recorded for the
+    stand-ins' loss structure).
     """
 
     name = 'template'
+    inert = False  # it needs no template input
     model_loss = True  # the loss of its microbatch is the model's own (on the template)
     guarded = True  # its forward runs: the buffers are guarded and restored after the backward
     pads = False  # every rank runs the step's largest microbatch count
@@ -203,8 +214,12 @@ class ShadowWay:
     def __init__(self, loss_shape: Optional[LossShape] = None):
         self.loss_shape = loss_shape or LossShape()  # the structure of the model's loss, for stand-in losses
 
-    def begin(self, state: State, microbatch: Changes) -> bool:
-        return False
+    def current(self) -> ShadowWay:
+        """The way the next shadow microbatch runs (this one, unless it cannot yet)."""
+        return self
+
+    def begin(self, state: State, stand_ins: Changes) -> None:
+        """``BEFORE_FORWARD`` of a shadow microbatch: its stand-ins, through ``stand_ins``."""
 
     def after_retry(self) -> ShadowWay:
         """The way to use after a step Composer retried (automatic microbatching)."""
@@ -217,42 +232,36 @@ class ZeroSamples(ShadowWay):
     to the step's largest, buffers guarded (SyncBatchNorm's own, global statistics, excepted)."""
 
     name = 'zero'
+    inert = True  # the forward runs on the zero-sample batch itself
     model_loss = False
     pads = True
 
-    def begin(self, state: State, microbatch: Changes) -> bool:
-        microbatch.set(state.model.module, 'loss', lambda outputs, batch: connected_zero_loss(self.loss_shape, outputs))
-        return True  # the forward runs on the zero-sample batch itself
+    def begin(self, state: State, stand_ins: Changes) -> None:
+        stand_ins.set(state.model.module, 'loss', lambda outputs, batch: connected_zero_loss(self.loss_shape, outputs))
 
 
 class NoModelCode(ShadowWay):
     """The default (:func:`~composer_join.shadow.shadow.skippable`): no model code at all, only DDP's collectives
     (:class:`~composer_join.shadow.shadow.DDPShadow`). Its stand-in loss copies the structure of the model's loss,
     so a rank that has not computed one yet (it had no data of its own) runs its first shadow microbatches the
-    template way, :class:`ShadowWay`'s."""
+    template way, :class:`ShadowWay`'s (:meth:`current`)."""
 
     name = 'skip'
+    inert = True
+    model_loss = False
+    guarded = False
     probes = True
     runs_model = False  # but on a rank with no loss of its own yet: the template (a step with needs_template)
 
     def __init__(self, stand_in: DDPShadow):
         super().__init__(stand_in.loss_shape)
         self.stand_in = stand_in
-        self.skipping = False  # the current microbatch runs no model code
 
-    @property
-    def model_loss(self) -> bool:  # type: ignore[override]
-        return not self.skipping
+    def current(self) -> ShadowWay:
+        return self if self.loss_shape.known else ShadowWay(self.loss_shape)
 
-    @property
-    def guarded(self) -> bool:  # type: ignore[override]
-        return not self.skipping
-
-    def begin(self, state: State, microbatch: Changes) -> bool:
-        self.skipping = self.stand_in.loss_shape.known
-        if self.skipping:
-            self.stand_in.install(microbatch)
-        return self.skipping
+    def begin(self, state: State, stand_ins: Changes) -> None:
+        self.stand_in.install(stand_ins)
 
     def after_retry(self) -> ShadowWay:
         """The template way: the reducer's bucket-to-parameter map may be stale now (:func:`disarm_after_retry`)."""
@@ -285,23 +294,24 @@ class DDPWrapper(Wrapper):
     (:class:`NoModelCode`, the default), the forward on zero samples where it communicates (:class:`ZeroSamples`),
     or the forward and loss on two template samples (:class:`ShadowWay`, for DDP configurations the stand-in
     does not cover). After a step Composer retried (automatic microbatching), the template way.
+    A step where no rank shadows needs it at every microbatch only under automatic microbatching (its OOM checks),
+    where shadow microbatches run on zero samples (their padding), where the microbatch syncs need it
+    (:meth:`MicrobatchSync.needed`: Composer's ``ddp_sync_strategy``), and until the model's loss was seen once.
     """
 
     def __init__(self, rank: int):
-        self._rank = rank
-        self._source = BufferSource()
-        self._sync = MicrobatchSync()
-        self._guard: Optional[BufferGuard] = None
-        self._hooked: Optional[DistributedDataParallel] = None
-        self._oom = OOMChecks()
-        self._first_microbatch = True
-        self._last_step: Optional[int] = None  # timestamp.batch of the last step started
+        self.rank = rank
+        self.source = BufferSource()
+        self.sync = MicrobatchSync()
+        self.guard: Optional[BufferGuard] = None
+        self.hooked: Optional[DistributedDataParallel] = None
+        self.oom = OOMChecks()
+        self.last_step: Optional[int] = None  # timestamp.batch of the last step begun
         self.way: ShadowWay = ShadowWay()
-        self._shadowing: Optional[ShadowWay] = None  # the way the current microbatch shadows (None: real)
-        self._padding: Optional[MicrobatchPadding] = None
-        self._probe: Optional[ForwardProbe] = None
-        self._microbatch = Changes()  # the current shadow microbatch's stand-ins (forward, loss)
-        self._unused = UnusedParameters([])  # on steps with a shadowing rank: no gradient where no real sample was
+        self.padding: Optional[MicrobatchPadding] = None
+        self.probe: Optional[ForwardProbe] = None
+        self.unused = UnusedParameters([])  # on steps with a shadowing rank: no gradient where no real sample was
+        self.strategy: Optional[str] = None  # Composer's ddp_sync_strategy (None: not known)
 
     @property
     def mode(self) -> str:
@@ -309,92 +319,89 @@ class DDPWrapper(Wrapper):
         return self.way.name
 
     def state_dict(self) -> dict[str, Any]:
-        return {'buffer_source': self._source.rank}
+        return {'buffer_source': self.source.rank}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._source.rank = int(state.get('buffer_source', 0))
+        self.source.rank = int(state.get('buffer_source', 0))
 
     def shadow_way_name(self, state: State) -> str:
-        return self.way.name if state.model is self._hooked else way_name(state.model)
+        return self.way.name if state.model is self.hooked else way_name(state.model)
 
-    def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
+    def start(self, state: State, train: bool) -> None:
+        if not train:  # an evaluation reads the buffers: the same on every rank
+            if isinstance(state.model, DistributedDataParallel):
+                sync_buffers(state.model, self.source.rank)
+            return
         ddp = state.model
-        if ddp is not self._hooked:  # DDP's buffer hook: on Composer's own wrapper, once (torch cannot unhook it)
-            broadcast_buffers_from(ddp, lambda: self._source.rank)
-            self._hooked = ddp
+        if ddp is not self.hooked:  # DDP's buffer hook: on Composer's own wrapper, once (torch cannot unhook it)
+            broadcast_buffers_from(ddp, lambda: self.source.rank)
+            self.hooked = ddp
             self.way = shadow_way(ddp)
-            self._probe = ForwardProbe(ddp.module) if self.way.probes else None
-            self._unused = UnusedParameters(list(ddp.module.parameters()))
+            self.probe = ForwardProbe(ddp.module) if self.way.probes else None
+            self.unused = UnusedParameters(list(ddp.module.parameters()))
             keep = self.way.pads  # SyncBatchNorm's statistics are global: a shadow forward on zero samples keeps them
-            self._guard = BufferGuard(ddp.module, keep=lambda m: keep and isinstance(m, torch.nn.SyncBatchNorm))
-        if self._probe is not None:
-            self._probe.armed, self._probe.found = True, []
+            self.guard = BufferGuard(ddp.module, keep=lambda m: keep and isinstance(m, torch.nn.SyncBatchNorm))
+        if self.probe is not None:
+            self.probe.armed, self.probe.found = True, []
+        self.strategy = compat.ddp_sync_strategy(state)
 
-    def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        self._guard.attach(changes)
-        if self._probe is not None:
-            self._probe.attach(changes)
-        changes.call(self._microbatch.undo)  # a shadow microbatch the run left half-way
+    def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]], train: bool) -> None:
+        if not train:
+            return
+        self.guard.attach(changes)
+        if self.probe is not None:
+            self.probe.attach(changes)
         changes.call(self._forget_step)  # a retried step is one of this iteration's
-        self._unused.attach(changes)  # its hooks on the parameters, on a step that needs them
+        self.unused.attach(changes)  # its hooks on the parameters, on a step that needs them
         spec = compat.train_data_spec(state)
         if spec is not None:
             # Forwards that communicate ('zero'): every rank runs the step's largest microbatch count (the
             # padding FSDP uses). Otherwise only count microbatches, for automatic microbatching's OOM checks.
             pad = self.way.pads
-            self._padding = MicrobatchPadding.install(
+            self.padding = MicrobatchPadding.install(
                 spec,
                 changes,
                 plan,
                 state.device.tensor_to_device,
                 pad=pad,
-                checks=self._oom,
+                checks=self.oom,
                 needed=lambda: pad or state.auto_microbatching,
             )
-            self._sync.padded = (lambda: self._padding.last_count) if pad else None
+            self.sync.padded = (lambda: self.padding.last_count) if pad else None
 
     def _forget_step(self) -> None:
-        self._last_step = None
+        self.last_step = None
 
-    def fit_end(self, state: State) -> None:
-        sync_buffers(state.model, self._source.rank)
+    def equalize(self, state: State) -> None:
+        sync_buffers(state.model, self.source.rank)
 
-    def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        if isinstance(state.model, DistributedDataParallel):
-            sync_buffers(state.model, self._source.rank)
+    def watches(self, state: State, plan: StepPlan) -> bool:
+        return (
+            state.auto_microbatching
+            or self.way.pads
+            or not self.way.loss_shape.known
+            or MicrobatchSync.needed(self.strategy, self.hooked, plan)
+        )
 
-    def before_checkpoint(self, state: State) -> None:
-        sync_buffers(state.model, self._source.rank)
+    def begin_step(self, state: State, plan: StepPlan) -> None:
+        step = int(state.timestamp.batch)
+        if step == self.last_step and state.auto_microbatching:  # Composer retries this step
+            disarm_after_retry(state.model)
+            self.way = self.way.after_retry()
+        self.last_step = step
+        self.sync.start_step()
+        self.unused.start_step()
+        self.oom.start_step()
+        if self.guard is not None and self.guard.armed:  # a retry after an OOM in a shadow microbatch
+            self.guard.restore()
+        self.source.update(plan)
 
-    def start_step(self, plan: StepPlan) -> None:
-        self._sync.start_step(self._hooked)
-        self._unused.start_step()
-        self._first_microbatch = True
-        self._oom.start_step()
-        if self._guard is not None and self._guard.armed:  # a retry after an OOM in a shadow microbatch
-            self._guard.restore()
-        self._source.update(plan)
+    def microbatch(self, state: State, plan: StepPlan, shadow: bool, samples: int) -> DDPMicrobatch:
+        return DDPMicrobatch(self, state, plan, samples, self.way.current() if shadow else None)
 
-    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
-        if self._first_microbatch:
-            self._first_microbatch, step = False, int(state.timestamp.batch)
-            if step == self._last_step and state.auto_microbatching:  # Composer retries this step
-                disarm_after_retry(state.model)
-                self.way = self.way.after_retry()
-            self._last_step = step
-        self._sync.before_forward(state.model, plan, self._rank, samples)
-        self._end_shadow(state)  # a microbatch that did not finish (e.g. an OOM retry) leaves no stand-in behind
-        if self._probe is not None and self._probe.found and plan.joined_ranks:
-            raise self._communicating_forward(plan)
-        if not shadow:
-            return False
-        self._shadowing = self.way
-        inert = self.way.begin(state, self._microbatch)
-        self._guard.armed = self.way.guarded
-        return inert
-
-    def _communicating_forward(self, plan: StepPlan) -> UnevenInputsError:
-        kinds = ', '.join(sorted(set(self._probe.found)))
+    def communicating_forward(self, plan: StepPlan) -> UnevenInputsError:
+        """The error for a shadow step of a model whose forward issues collectives no marked module explains."""
+        kinds = ', '.join(sorted(set(self.probe.found)))
         return UnevenInputsError(
             f"at step {plan.step} rank(s) {plan.joined_ranks} must shadow, but the model's forward issues collectives "
             f'({kinds}, seen in its first forward on every rank). Under DDP a shadow microbatch runs no forward, so '
@@ -404,32 +411,53 @@ class DDPWrapper(Wrapper):
             f'batch cannot be shadowed: give every rank the same number of batches.',
         )
 
-    def after_forward(self, state: State, plan: StepPlan) -> None:
-        self._oom.after_forward(state)
-
-    def after_loss(self, state: State, plan: StepPlan) -> None:
-        if self._shadowing is None or self._shadowing.model_loss:  # the model's own (on the template: no data yet)
-            self.way.loss_shape.record(state.loss)
-        if self._unused_needed(plan):  # autograd's hooks record what a real microbatch's backward reaches
-            self._unused.record(shadow=self._shadowing is not None)
-        self._oom.after_loss(state)
-
-    def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
-        self._oom.after_backward(state)  # automatic microbatching: before forced_sync's all-reduces
-        self._unused.pause()
-        self._sync.after_backward(state.model, plan, state.optimizers, state.device.tensor_to_device)
-        if self._sync.last and self._unused_needed(plan):  # every rank, once per step, after its last backward
-            self._unused.finish(state.device.tensor_to_device)
-        self._end_shadow(state)
-
-    def _unused_needed(self, plan: StepPlan) -> bool:
+    def unused_needed(self, plan: StepPlan) -> bool:
         """Whether this step takes back gradients no real sample gave (the same on every rank): some rank shadows by
         running the model (this way does, or a rank with no loss of its own yet runs the template)."""
         runs_model = self.way.runs_model or any(s.needs_template for s in plan.statuses)
         return runs_model and UnusedParameters.needed(plan)
 
-    def _end_shadow(self, state: State) -> None:
-        self._microbatch.undo()
-        if self._shadowing is not None and self._shadowing.guarded:
-            self._guard.restore()
-        self._shadowing = None
+
+class DDPMicrobatch(Microbatch):
+    """One training microbatch under DDP (:class:`~composer_join.wrappers.wrapper.Microbatch`): its gradient sync,
+    the OOM checks, the unused-parameter record, and, shadowing (``way`` not None), the way's stand-ins and buffers.
+    """
+
+    def __init__(self, wrapper: DDPWrapper, state: State, plan: StepPlan, samples: int, way: Optional[ShadowWay]):
+        super().__init__()
+        self.wrapper, self.state, self.plan, self.samples, self.way = wrapper, state, plan, samples, way
+        self.inert = way is not None and way.inert
+
+    def __enter__(self) -> DDPMicrobatch:
+        w, plan = self.wrapper, self.plan
+        w.sync.before_forward(self.state.model, plan, w.rank, self.samples, self.stand_ins)
+        if w.probe is not None and w.probe.found and plan.joined_ranks:
+            raise w.communicating_forward(plan)
+        if self.way is not None:
+            self.way.begin(self.state, self.stand_ins)
+            w.guard.armed = self.way.guarded
+        return self
+
+    def after_forward(self, state: State) -> None:
+        self.wrapper.oom.after_forward(state)
+
+    def after_loss(self, state: State) -> None:
+        w = self.wrapper
+        if self.way is None or self.way.model_loss:  # the model's own (on the template: no data yet)
+            w.way.loss_shape.record(state.loss)
+        if w.unused_needed(self.plan):  # autograd's hooks record what a real microbatch's backward reaches
+            w.unused.record(shadow=self.way is not None)
+        w.oom.after_loss(state)
+
+    def after_backward(self, state: State) -> None:
+        w = self.wrapper
+        w.oom.after_backward(state)  # automatic microbatching: before forced_sync's all-reduces
+        w.unused.pause()
+        w.sync.after_backward(state.model, self.plan, state.optimizers, state.device.tensor_to_device)
+        if w.sync.last and w.unused_needed(self.plan):  # every rank, once per step, after its last backward
+            w.unused.finish(state.device.tensor_to_device)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stand_ins.undo()
+        if self.way is not None and self.way.guarded:
+            self.wrapper.guard.restore()

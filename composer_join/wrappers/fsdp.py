@@ -45,9 +45,9 @@ from composer_join.shadow.buffers import BufferGuard
 from composer_join.shadow.gradients import reached_leaves
 from composer_join.shadow.padding import MicrobatchPadding
 from composer_join.shadow.shadow import LossShape, connected_zero_loss
-from composer_join.wrappers.wrapper import Wrapper
+from composer_join.wrappers.wrapper import Microbatch, Wrapper
 
-__all__ = ['FSDPWrapper', 'GradientUnits']
+__all__ = ['FSDPMicrobatch', 'FSDPWrapper', 'GradientUnits']
 
 
 class GradientUnits:
@@ -206,99 +206,106 @@ def host_group():
 class FSDPWrapper(Wrapper):
     """UnevenJoin's FSDP1/FSDP2-specific part: microbatch padding, the unused-parameter check, buffer guard.
 
-    Chosen by :func:`~composer_join.wrappers.wrapper_for` when Composer sharded the model with FSDP.
+    Chosen by :func:`~composer_join.wrappers.wrapper_for` when Composer sharded the model with FSDP. Every
+    training step needs it at every microbatch (:meth:`watches`): its padding may add shadow microbatches on any
+    step, and every microbatch's units are checked on every rank (a collective).
     """
 
     def __init__(self):
-        self._model: Optional[torch.nn.Module] = None
-        self._guard: Optional[BufferGuard] = None
-        self._units: Optional[GradientUnits] = None
-        self._oom = OOMChecks()
-        self._failures: list = []  # errors MicrobatchPadding found in this step, raised at its first loss
-        self._loss_shape = LossShape()
-        self._microbatch = Changes()  # the current microbatch's loss, if it is the stand-in
+        self.model: Optional[torch.nn.Module] = None
+        self.guard: Optional[BufferGuard] = None
+        self.units: Optional[GradientUnits] = None
+        self.oom = OOMChecks()
+        self.failures: list = []  # errors MicrobatchPadding found in this step, raised at its first loss
+        self.loss_shape = LossShape()
 
-    def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        self._attach(state)
-        if compat.train_data_spec(state) is None:
+    def start(self, state: State, train: bool) -> None:
+        if state.model is not self.model:
+            self.model = state.model
+            self.guard = BufferGuard(state.model)
+            self.units = GradientUnits(state.model)
+            if len(self.units):
+                host_group()  # made here, on every rank at once (a collective), not at a first check an OOM may skip
+        if train and compat.train_data_spec(state) is None:
             raise UnevenInputsError(
                 "UnevenJoin under FSDP could not find the Trainer's train DataSpec to pad microbatches; it must run "
                 'inside composer.Trainer.fit()',
             )
 
-    def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        """Pad the train ``DataSpec``'s microbatches (with its own sample count; errors raised on every rank at the
-        first loss), guard the buffers, until ``changes`` is undone."""
-        spec = compat.train_data_spec(state)
-        failures = self._failures if len(self._units) else None
-        count = spec.get_num_samples_in_batch
-        MicrobatchPadding.install(
-            spec, changes, plan, state.device.tensor_to_device, checks=self._oom, count=count, failures=failures
-        )
-        self._attach_guard(changes)
-        changes.call(self._failures.clear)  # found in a step the run left half-way
-        if len(self._units):
-            self._units.attach(changes)
-
-    def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        self._attach(state)
-
-    def install_eval(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        """Pad the evaluator's ``DataSpec`` (errors raise at once), guard the buffers, until ``changes`` is undone."""
-        for evaluator in state.evaluators:
-            if evaluator.label == state.dataloader_label and isinstance(evaluator.dataloader, DataSpec):
-                spec = evaluator.dataloader
-                MicrobatchPadding.install(
-                    spec, changes, plan, state.device.tensor_to_device, count=spec.get_num_samples_in_batch
-                )
-        self._attach_guard(changes)
-
-    def _attach_guard(self, changes: Changes) -> None:
-        self._guard.attach(changes)
-        changes.call(self._microbatch.undo)  # a shadow microbatch the run left half-way
-
-    def _attach(self, state: State) -> None:
-        if state.model is not self._model:
-            self._model = state.model
-            self._guard = BufferGuard(state.model)
-            self._units = GradientUnits(state.model)
-            if len(self._units):
-                host_group()  # made here, on every rank at once (a collective), not at a first check an OOM may skip
-
-    def start_step(self, plan: StepPlan) -> None:
-        self._oom.start_step()
-        if self._guard is not None and self._guard.armed:  # a retry after an OOM in a shadow microbatch
-            self._guard.restore()
-
-    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
-        self._microbatch.undo()  # the last microbatch may not have reached its loss (e.g. an OOM retry)
-        if len(self._units):
-            self._units.watch()
-        if shadow:
-            self._guard.armed = True
-            if self._loss_shape.known:  # else (no real loss seen yet on this rank) the model's own, on the template
-                self._microbatch.set(
-                    state.model, 'loss', lambda outputs, batch: connected_zero_loss(self._loss_shape, outputs)
-                )
-        return False
-
-    def after_forward(self, state: State, plan: StepPlan) -> None:
-        self._oom.after_forward(state)
-
-    def after_loss(self, state: State, plan: StepPlan) -> None:
-        self._oom.after_loss(state)  # automatic microbatching: before the unused-parameter check's all-reduce
-        failure = self._failures[0] if self._failures else None
-        self._failures.clear()
-        if len(self._microbatch):
-            self._microbatch.undo()
+    def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]], train: bool) -> None:
+        """Pad the ``DataSpec``'s microbatches, guard the buffers, until ``changes`` is undone. Train: the trainer's
+        ``DataSpec``, with its own sample count, errors raised on every rank at the first loss; an evaluation: the
+        evaluator's, errors raised at once."""
+        if train:
+            spec = compat.train_data_spec(state)
+            failures = self.failures if len(self.units) else None
+            count = spec.get_num_samples_in_batch
+            MicrobatchPadding.install(
+                spec, changes, plan, state.device.tensor_to_device, checks=self.oom, count=count, failures=failures
+            )
         else:
-            self._loss_shape.record(state.loss)
-        if len(self._units):
-            self._units.check(state.loss, plan, state.device.tensor_to_device, failure)
+            for evaluator in state.evaluators:
+                if evaluator.label == state.dataloader_label and isinstance(evaluator.dataloader, DataSpec):
+                    spec = evaluator.dataloader
+                    MicrobatchPadding.install(
+                        spec, changes, plan, state.device.tensor_to_device, count=spec.get_num_samples_in_batch
+                    )
+        self.guard.attach(changes)
+        if train:
+            changes.call(self.failures.clear)  # found in a step the run left half-way
+            if len(self.units):
+                self.units.attach(changes)
+
+    def watches(self, state: State, plan: StepPlan) -> bool:
+        return True
+
+    def begin_step(self, state: State, plan: StepPlan) -> None:
+        self.oom.start_step()
+        if self.guard is not None and self.guard.armed:  # a retry after an OOM in a shadow microbatch
+            self.guard.restore()
+
+    def microbatch(self, state: State, plan: StepPlan, shadow: bool, samples: int) -> FSDPMicrobatch:
+        return FSDPMicrobatch(self, state, plan, shadow)
+
+
+class FSDPMicrobatch(Microbatch):
+    """One training microbatch under FSDP (:class:`~composer_join.wrappers.wrapper.Microbatch`): the OOM checks, its
+    gradient units checked on every rank after its loss; shadowing, a zero loss connected to the outputs (once the
+    model's own loss was seen: before, the model's own on the template) and the buffers guarded."""
+
+    def __init__(self, wrapper: FSDPWrapper, state: State, plan: StepPlan, shadow: bool):
+        super().__init__()
+        self.wrapper, self.state, self.plan, self.shadow = wrapper, state, plan, shadow
+
+    def __enter__(self) -> FSDPMicrobatch:
+        w = self.wrapper
+        if len(w.units):
+            w.units.watch()
+        if self.shadow:
+            w.guard.armed = True
+            if w.loss_shape.known:  # else (no real loss seen yet on this rank) the model's own, on the template
+                shape = w.loss_shape
+                self.stand_ins.set(self.state.model, 'loss', lambda outputs, batch: connected_zero_loss(shape, outputs))
+        return self
+
+    def after_forward(self, state: State) -> None:
+        self.wrapper.oom.after_forward(state)
+
+    def after_loss(self, state: State) -> None:
+        w = self.wrapper
+        w.oom.after_loss(state)  # automatic microbatching: before the unused-parameter check's all-reduce
+        failure = w.failures[0] if w.failures else None
+        w.failures.clear()
+        if len(self.stand_ins):
+            self.stand_ins.undo()
+        else:
+            w.loss_shape.record(state.loss)
+        if len(w.units):
+            w.units.check(state.loss, self.plan, state.device.tensor_to_device, failure)
         elif failure is not None:
             raise failure
 
-    def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
-        self._oom.after_backward(state)
-        if shadow:
-            self._guard.restore()
+    def after_backward(self, state: State) -> None:
+        self.wrapper.oom.after_backward(state)
+        if self.shadow:
+            self.wrapper.guard.restore()

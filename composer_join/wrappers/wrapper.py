@@ -1,4 +1,4 @@
-"""What differs between the ways Composer wraps a model for data parallelism, behind one small interface.
+"""What differs between the ways Composer wraps a model for data parallelism, behind one small contract.
 
 A joined rank runs the same training step as every other rank; what it must take care of beyond
 that depends on the wrapper around the model:
@@ -19,32 +19,40 @@ that depends on the wrapper around the model:
   :class:`~composer_join.UnevenInputsError` where it would hang
   (:class:`~composer_join.wrappers.fsdp.GradientUnits`).
 
-:class:`~composer_join.UnevenJoin` picks one with :func:`~composer_join.wrappers.wrapper_for` once,
-at the first ``FIT_START`` (or ``EVAL_START``), and calls it from its events, on every rank, in
-this order::
+The contract. :class:`~composer_join.UnevenJoin`'s run picks one wrapper with
+:func:`~composer_join.wrappers.wrapper_for` once, at the trainer's first active start event, and its sessions
+(:mod:`composer_join.join.fit`, :mod:`composer_join.join.evaluation`) call it on every rank, in this order::
 
-    wrapper.load_state_dict(saved)          # once chosen: what a checkpoint held ({} if none)
-    wrapper.state_dict()                    # whenever Composer saves a checkpoint
-    wrapper.fit_start(state, plan)          # FIT_START (again at every fit: must be idempotent)
-    wrapper.install(changes, state, plan)   # each iteration over the train dataloader opens (an epoch)
-    wrapper.eval_start(state, plan)         # EVAL_START (and PREDICT_START)
-    wrapper.install_eval(changes, state, plan)  # each iteration over an eval (or predict) dataloader opens
-    wrapper.start_step(plan)                # BEFORE_TRAIN_BATCH
-    wrapper.before_forward(state, plan, samples, shadow)   # BEFORE_FORWARD, every training microbatch
-    wrapper.after_forward(state, plan)      # AFTER_FORWARD
-    wrapper.after_loss(state, plan)         # AFTER_LOSS, before the backward pass
-    wrapper.after_backward(state, plan, shadow)            # AFTER_BACKWARD
-    wrapper.before_checkpoint(state)        # a *_CHECKPOINT event at which a CheckpointSaver saves
-    wrapper.fit_end(state)                  # FIT_END
+    wrapper.load_state_dict(saved)              # once chosen: what a checkpoint held ({} if none)
+    wrapper.shadow_way_name(state)              # FIT_START, for the first agreement (how shadow microbatches run)
+    wrapper.start(state, train)                 # FIT_START (train), EVAL_START, PREDICT_START: idempotent
+    wrapper.install(changes, state, plan, train)  # each iteration over a dataloader opens, with its register
+    wrapper.watches(state, plan)                # BEFORE_TRAIN_BATCH of a step where no rank shadows: needed?
+    wrapper.begin_step(state, plan)             # BEFORE_TRAIN_BATCH of a step UnevenJoin runs in
+    with wrapper.microbatch(state, plan, shadow, samples) as mb:  # BEFORE_FORWARD of each of its microbatches
+        mb.after_forward(state); mb.after_loss(state); mb.after_backward(state)
+    wrapper.equalize(state)                     # before a checkpoint is saved, and at FIT_END
+    wrapper.state_dict()                        # whenever Composer saves a checkpoint
 
-Every change a wrapper makes to an object UnevenJoin does not own (the model's hooks, a ``DataSpec``'s
-``split_batch``, a stand-in forward or loss) goes through the iteration's register of changes given to
-:meth:`Wrapper.install` (:mod:`composer_join.core.changes`), undone when the iteration ends, normally or
-because the run raised.
-``shadow`` is True for a shadow microbatch (a joined rank's, or an empty padding one, weighted zero).
-``before_forward`` returns True if it made the shadow microbatch inert itself; otherwise UnevenJoin
-swaps in the two-sample template.
-The base class is the wrapper for a model that is not wrapped (nothing to do).
+``plan`` is the step's :class:`~composer_join.core.plan.StepPlan`, a value, except in :meth:`Wrapper.install`,
+where it is ``() ->`` the plan of the step running then (a ``DataSpec``'s ``split_batch`` is called outside any
+event). On a step where no rank shadows, UnevenJoin calls nothing per microbatch unless :meth:`Wrapper.watches`
+says a setting every rank shares needs it (automatic microbatching's OOM checks, ``multi_auto_sync`` on uneven or
+unknown microbatch counts, FSDP's per-microbatch check); Composer's event loop then costs the step nothing more.
+
+Every change a wrapper makes to an object UnevenJoin does not own goes through a register of changes
+(:mod:`composer_join.core.changes`): the model's hooks and a ``DataSpec``'s ``split_batch`` through the iteration's
+register given to :meth:`Wrapper.install`, undone when the iteration ends, normally or because the run raised; a
+microbatch's stand-ins (a forward, a loss) through its :class:`Microbatch`'s own, undone when it exits: after its
+backward pass, or when the step or the iteration ends first (a retried step, a raise). The base class is the
+wrapper for a model that is not wrapped (nothing to do).
+
+Example (what a session does for one microbatch of a step it runs in)::
+
+    mb = wrapper.microbatch(state, plan, shadow=True, samples=0)
+    fed = not mb.inert  # the template's two samples go to the forward unless the wrapper made it inert
+    with mb:  # BEFORE_FORWARD ... AFTER_BACKWARD (entered and exited across Composer's events)
+        ...
 """
 
 from __future__ import annotations
@@ -57,11 +65,44 @@ from composer.core import State
 from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan
 
-__all__ = ['Wrapper']
+__all__ = ['Microbatch', 'Wrapper']
+
+
+class Microbatch:
+    """One microbatch of a step UnevenJoin runs in, as a wrapper sees it: a context, entered at ``BEFORE_FORWARD``.
+
+    Made by :meth:`Wrapper.microbatch` (its constructor decides, with no side effect, how a shadow microbatch
+    runs: :attr:`inert`); :meth:`__enter__` makes its changes, stand-ins through :attr:`stand_ins`; the session
+    calls :meth:`after_forward`, :meth:`after_loss`, :meth:`after_backward` at those events, and :meth:`__exit__`
+    after the backward, or when the step or its iteration ends first: it undoes the stand-ins. The base class does
+    nothing but that.
+    """
+
+    inert = False
+    """A shadow microbatch that needs no template input: the wrapper stands in for the forward (or it runs on the
+    zero-sample batch itself)."""
+
+    def __init__(self) -> None:
+        self.stand_ins = Changes()  # this microbatch's stand-ins (a forward, a loss), undone at its exit
+
+    def __enter__(self) -> Microbatch:
+        return self
+
+    def after_forward(self, state: State) -> None:
+        """``AFTER_FORWARD``."""
+
+    def after_loss(self, state: State) -> None:
+        """``AFTER_LOSS``, before the backward pass."""
+
+    def after_backward(self, state: State) -> None:
+        """``AFTER_BACKWARD``; the exit follows."""
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stand_ins.undo()
 
 
 class Wrapper:
-    """No wrapper around the model (a single process): every hook does nothing."""
+    """No wrapper around the model (a single process): nothing to do (see the module docstring for the contract)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What must survive a checkpoint (plain data, the same on every rank); part of UnevenJoin's state_dict."""
@@ -72,39 +113,30 @@ class Wrapper:
 
     def shadow_way_name(self, state: State) -> str:
         """How this rank's shadow microbatches of a fit will run (one of
-        :data:`composer_join.core.settings.SHADOW_WAYS`); asked before :meth:`fit_start`, for the first agreement
+        :data:`composer_join.core.settings.SHADOW_WAYS`); asked before :meth:`start`, for the first agreement
         (the collectives a shadow microbatch issues follow from it: it must be the same on every rank)."""
         return 'none'
 
-    def fit_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        """``plan()`` gives the current step's plan whenever a training step or an evaluation batch runs."""
+    def start(self, state: State, train: bool) -> None:
+        """``FIT_START`` (``train``), ``EVAL_START`` or ``PREDICT_START``: attach to the model as Composer wrapped
+        it (again at every start: idempotent)."""
 
-    def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        """An iteration over the train dataloader opens: make this wrapper's changes through ``changes``."""
+    def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]], train: bool) -> None:
+        """An iteration over the train (``train``) or an eval or predict dataloader opens: make this wrapper's changes
+        through ``changes``, its register; ``plan()`` gives the plan of the step running at any time."""
 
-    def eval_start(self, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        """As :meth:`fit_start`, for an evaluation (which may run without any fit)."""
-
-    def install_eval(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]]) -> None:
-        """An iteration over an eval (or predict) dataloader opens: as :meth:`install`."""
-
-    def start_step(self, plan: StepPlan) -> None:
-        pass
-
-    def before_forward(self, state: State, plan: StepPlan, samples: int, shadow: bool) -> bool:
+    def watches(self, state: State, plan: StepPlan) -> bool:
+        """Whether a training step where no rank shadows still needs :meth:`begin_step` and :meth:`microbatch`,
+        because of a setting every rank has alike (the same answer on every rank). Asked at ``BEFORE_TRAIN_BATCH``."""
         return False
 
-    def after_forward(self, state: State, plan: StepPlan) -> None:
-        pass
+    def begin_step(self, state: State, plan: StepPlan) -> None:
+        """``BEFORE_TRAIN_BATCH`` of a step UnevenJoin runs in (again at each attempt Composer retries)."""
 
-    def after_loss(self, state: State, plan: StepPlan) -> None:
-        pass
+    def microbatch(self, state: State, plan: StepPlan, shadow: bool, samples: int) -> Microbatch:
+        """The next training microbatch of the step, not entered yet: ``shadow``, a stand-in (weighted zero);
+        ``samples``, its samples as Composer counts them (0 if none or uncountable)."""
+        return Microbatch()
 
-    def after_backward(self, state: State, plan: StepPlan, shadow: bool) -> None:
-        pass
-
-    def before_checkpoint(self, state: State) -> None:
-        """Before a checkpoint is saved: make what it holds the same on every rank."""
-
-    def fit_end(self, state: State) -> None:
-        pass
+    def equalize(self, state: State) -> None:
+        """Before a checkpoint is saved, and at ``FIT_END``: make what they hold the same on every rank."""

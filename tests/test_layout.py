@@ -149,3 +149,43 @@ def test_the_public_api_is_unchanged():
         'register_position',
     ]
     assert all(getattr(composer_join, name) for name in composer_join.__all__)
+
+
+MAX_CLASS_LINES, MAX_ATTRIBUTES = 300, 15  # issue 41: no room as crowded as JoinLoader's 27 attributes were
+
+
+def class_sizes(source: str) -> dict[str, tuple[int, int]]:
+    """Per class of ``source``: its lines (docstrings included) and instance attributes (``self.x = ...`` anywhere in
+    it, dataclass and NamedTuple fields)."""
+    sizes = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            names = {
+                n.attr
+                for n in ast.walk(node)
+                if isinstance(n, ast.Attribute)
+                and isinstance(n.ctx, ast.Store)
+                and isinstance(n.value, ast.Name)
+                and n.value.id == 'self'
+            }
+            names |= {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+            sizes[node.name] = (node.end_lineno - node.lineno + 1, len(names))
+    return sizes
+
+
+def test_class_sizes_are_measured_as_stated():
+    lines, attributes = class_sizes('class A:\n    x: int\n    def f(self):\n        self.y = self.z = 1\n')['A']
+    assert (lines, attributes) == (4, 3)
+
+
+def test_no_class_is_over_300_lines_or_15_instance_attributes_and_every_module_says_what_it_owns():
+    crowded, silent = [], []
+    for path in sorted(PACKAGE.rglob('*.py')):
+        source = path.read_text()
+        if not ast.get_docstring(ast.parse(source)):
+            silent.append(str(path.relative_to(ROOT)))
+        for name, (lines, attributes) in class_sizes(source).items():
+            if lines > MAX_CLASS_LINES or attributes > MAX_ATTRIBUTES:
+                crowded.append(f'{path.relative_to(ROOT)}:{name} ({lines} lines, {attributes} attributes)')
+    assert not crowded, f'over {MAX_CLASS_LINES} lines or {MAX_ATTRIBUTES} instance attributes: {crowded}'
+    assert not silent, f'modules without a docstring: {silent}'

@@ -47,7 +47,16 @@ import devices  # (no torch: the benchmarks' driver imports this module and stay
 
 # What the server imports before it forks any rank; set before it starts: read at interpreter start-up or import.
 PRELOAD = ['torch', 'composer', 'composer_join', 'rank_worker']
+# tests/ on the path of the server and of every rank: Python 3.11's forkserver ignores the parent's sys.path and skips
+# a preload it cannot import without a word, so without it the server would not hold rank_worker (nor a rank's own
+# DataLoader-worker forkserver its data module: tests/scenarios_pipelines.py).
+TESTS = str(Path(__file__).parent)
 SERVER_ENV = {'OMP_NUM_THREADS': '1', 'PYTHONUNBUFFERED': '1', 'PYTHONWARNINGS': 'ignore'}
+
+
+def with_tests_on_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with :data:`TESTS` first on ``PYTHONPATH``."""
+    return {**env, 'PYTHONPATH': os.pathsep.join(p for p in (TESTS, env.get('PYTHONPATH')) if p)}
 
 
 @dataclass
@@ -81,7 +90,7 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         OMP_NUM_THREADS='1',
         PYTHONWARNINGS='ignore',
     )
-    return env
+    return with_tests_on_path(env)
 
 
 def launch(
@@ -211,8 +220,9 @@ def _server() -> Any:
 
     if forkserver._forkserver._forkserver_pid is None:  # not started yet: start it with SERVER_ENV
         ctx.set_forkserver_preload(PRELOAD)
-        saved = {k: os.environ.get(k) for k in SERVER_ENV}
-        os.environ.update(SERVER_ENV)
+        server_env = with_tests_on_path({**os.environ, **SERVER_ENV})
+        saved = {k: os.environ.get(k) for k in server_env}
+        os.environ.update(server_env)
         try:
             forkserver.ensure_running()
         finally:

@@ -14,12 +14,18 @@ import warnings
 from pathlib import Path
 
 import torch
+from composer.utils import collect_env
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import devices
 import rank_scenarios
 from harness import RankError
+
+# Every Trainer() logs the CPU's model, which py-cpuinfo reads by starting a Python subprocess (about 1 s of CPU);
+# Composer caches the answer per process. Asked here, at import, it is asked once in the harness's server and every
+# rank forked from it inherits the cached answer.
+collect_env.get_cpu_model()
 
 
 def _resolve(function: str):

@@ -22,13 +22,10 @@ def test_places_uneven_join_first_last_or_alone(monkeypatch):
     assert join_pass(listed, Event.BEFORE_BACKWARD) == [mixup, smoothing, join]  # weights the final loss
     assert join_pass(listed, Event.AFTER_LOSS) == [mixup, smoothing, join]
     assert join_pass(listed, Event.FIT_START) == [mixup, smoothing, join]  # the others see the user's loader
-    # AFTER_DATALOADER: where some rank's trainer has other algorithms (agreed at FIT_START), UnevenJoin re-gathers the
-    # counts last, whether or not the others match on this rank; where no rank's has any, it does not run there
-    monkeypatch.setattr(UnevenJoin, 'regathers_counts', property(lambda self: True))
+    # AFTER_DATALOADER (UnevenJoin matches it only where some rank's trainer has other algorithms, agreed at
+    # FIT_START): it re-gathers the counts last, whether or not the others match on this rank
     assert join_pass(listed, Event.AFTER_DATALOADER) == [mixup, smoothing, join]
     assert join_pass([join], Event.AFTER_DATALOADER) == [join]  # none matches here: the counts all the same
-    monkeypatch.setattr(UnevenJoin, 'regathers_counts', property(lambda self: False))
-    assert join_pass([join], Event.AFTER_DATALOADER) == []  # no rank's trainer has another algorithm
     monkeypatch.setattr(join, 'shadows_microbatch', lambda event: True)  # a shadow one: no other algorithm sees it
     for event in (
         Event.AFTER_FORWARD,

@@ -334,8 +334,10 @@ class Protocol:
                 self.failure = (ticket.step, error)  # error None: it ended before its len()
                 return None
             return plan_from_lengths(ticket.step, self.rules.rank, ticket.row, self.rules.world)
-        where = self.rules.where(ticket.step, self.epoch)
-        plan = (ticket.agreement or Agreement(ticket.step, ticket.row, self.exchange, where)).plan()
+        agreement = ticket.agreement
+        if agreement is None:  # agreed now (the label, for a lost peer's message, made only here)
+            agreement = Agreement(ticket.step, ticket.row, self.exchange, self.rules.where(ticket.step, self.epoch))
+        plan = agreement.plan()
         self.unreported = 0  # in the plan now, so in the report (or, spun past, already in it)
         return plan
 

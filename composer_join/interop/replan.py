@@ -12,18 +12,17 @@ first agreement, :class:`~composer_join.core.settings.Facts`: never what an algo
 * on a step planned without an agreement (:attr:`~composer_join.core.plan.StepPlan.agreed` False, the same on
   every rank) only this rank's own counts are known, and only they are renewed: no collective (whoever needs the
   others' counts there agrees on them itself, as FSDP's padding does);
-* on an agreed step every rank's counts are gathered again: one all-gather of two integers per rank.
+* on an agreed step every rank's counts are gathered again over the loader's exchange: one all-reduce of a table of two
+  integers per rank (a lost peer named, as at every agreement).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-
-import torch
-from composer.utils import dist
+from typing import Optional
 
 from composer_join.core.plan import StepPlan
+from composer_join.core.protocol import Exchange
 
 __all__ = ['replan']
 
@@ -32,24 +31,26 @@ def replan(
     plan: StepPlan,
     samples: int,
     microbatches: int,
-    to_device: Callable[[torch.Tensor], torch.Tensor],
+    exchange: Optional[Exchange],
     rank: int,
 ) -> StepPlan:
-    """``plan`` with the ranks' (samples, microbatches) as their batches now are; this rank's (``rank``) are given.
+    """``plan`` with the ranks' (samples, microbatches) as their batches now are; this rank's (``rank``) are given,
+    the others' gathered over ``exchange`` on an agreed step (the loader's: a lost peer is named, as at every
+    agreement).
 
     Example (a planned step: no collective):
         >>> from composer_join.core.plan import RankStatus, plan_from_lengths
         >>> plan = plan_from_lengths(0, 1, RankStatus(True, 8, 2), 2)
-        >>> replan(plan, 4, 1, lambda t: t, rank=1).statuses[1].samples
+        >>> replan(plan, 4, 1, None, rank=1).statuses[1].samples
         4
     """
     if not plan.agreed:
         own = dataclasses.replace(plan.statuses[rank], samples=samples, microbatches=microbatches)
         return dataclasses.replace(plan, statuses=tuple(own if r == rank else s for r, s in enumerate(plan.statuses)))
-    mine = to_device(torch.tensor([samples, microbatches], dtype=torch.int64))
-    gathered = dist.all_gather(mine)
+    assert exchange is not None, 'an agreed step is recounted over the exchange it was agreed over'
+    gathered = exchange.rows([samples, microbatches], f'the recount of step {plan.step}').wait()
     statuses = tuple(
-        dataclasses.replace(status, samples=int(counts[0]), microbatches=int(counts[1]))
+        dataclasses.replace(status, samples=counts[0], microbatches=counts[1])
         for status, counts in zip(plan.statuses, gathered)
     )
     return dataclasses.replace(plan, statuses=statuses)

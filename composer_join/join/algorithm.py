@@ -111,7 +111,7 @@ ROUTES: dict[Event, Route] = {
     Event.PREDICT_BEFORE_FORWARD: lambda run, state, logger, event: run.evaluation.before_forward(state),
     Event.PREDICT_AFTER_FORWARD: lambda run, state, logger, event: run.evaluation.after_forward(state),
     Event.PREDICT_END: lambda run, state, logger, event: run.eval_end(state),
-    **{e: lambda run, state, logger, event: run.fit.checkpoint(state, event) for e in CHECKPOINT_EVENTS},
+    **{e: lambda run, state, logger, event: run.fit.checkpoint(state) for e in CHECKPOINT_EVENTS},
 }
 """What each event does: a method of the :class:`~composer_join.join.session.Run` or of its current session."""
 assert ROUTES.keys() >= PREDICT_EVENTS
@@ -266,12 +266,6 @@ class UnevenJoin(Algorithm):
         if run is not None:  # (made where active)
             return id(event) in _EVENT_IDS and run.wants(event, state)
         return self._active is None and event in _STARTS
-
-    @property
-    def regathers_counts(self) -> bool:
-        """Whether ``AFTER_DATALOADER`` re-gathers the step's counts on every step, for :mod:`composer_join.join.passes`:
-        some rank's trainer has other algorithms (agreed at ``FIT_START``)."""
-        return self._run is not None and self._run.regathers_counts
 
     def stands_in(self, others: bool) -> bool:
         """For :mod:`composer_join.join.passes` at ``AFTER_DATALOADER``: whether other algorithms (``others``) run

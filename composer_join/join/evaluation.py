@@ -93,8 +93,7 @@ class EvalSession:
     @property
     def shadow_step(self) -> bool:
         """This rank runs a shadow batch: it has run out of data, others have not."""
-        plan = self.plan()
-        return plan is not None and not plan.has_batch(self.context.rank)
+        return self.loader is not None and self.loader.shadowing
 
     def wants(self, event: Event, state: State) -> bool:
         """Every event it routes; at ``*_BEFORE_FORWARD`` the batch's record is made here, for the algorithm pass."""

@@ -161,8 +161,7 @@ class FitSession:
     @property
     def shadow_step(self) -> bool:
         """This rank runs a shadow step: it has run out of data, others have not."""
-        plan = self.plan()
-        return plan is not None and not plan.has_batch(self.context.rank)
+        return self.loader.shadowing
 
     def close(self) -> None:
         """End what a run that raised left of this fit: its iteration, its register (before the next fit starts)."""
@@ -238,7 +237,7 @@ class FitSession:
         if self.others_at_dataloader and self.shadow_step and self.microbatches.stand_in_for_others():
             return
         samples, microbatches = self.loader.describe(state.batch)
-        plan = replan(self.plan(), samples, microbatches, state.device.tensor_to_device, self.context.rank)
+        plan = replan(self.plan(), samples, microbatches, self.loader.exchange, self.context.rank)
         self.loader.publish(plan)
 
     def epoch_end(self, state: State, logger: Logger) -> None:
@@ -255,12 +254,12 @@ class FitSession:
             after, self.after_epoch = self.after_epoch, None
             self._use(after())
 
-    def checkpoint(self, state: State, event: Event) -> None:
-        """A ``*_CHECKPOINT`` event at which a checkpoint is saved: the wrapper makes its contents equal on every rank,
-        and every rank's position is gathered for it (``State.state_dict()`` then only reads them)."""
-        if checkpoint_due(state, event):  # the same on every rank: Composer's save is collective too (its RNG states)
-            self.context.wrapper.equalize(state)
-            self.gather_positions()
+    def checkpoint(self, state: State) -> None:
+        """A ``*_CHECKPOINT`` event at which a checkpoint is saved (routed only where :meth:`wants` found one due, the
+        same on every rank: Composer's save is collective too, its RNG states): the wrapper makes its contents equal on
+        every rank, and every rank's position is gathered for it (``State.state_dict()`` then only reads them)."""
+        self.context.wrapper.equalize(state)
+        self.gather_positions()
 
     def end(self, state: State) -> None:
         """``FIT_END``: buffers equal on every rank, the positions gathered (a checkpoint saved after ``fit()`` holds

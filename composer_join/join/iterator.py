@@ -117,11 +117,11 @@ class StepRecord:
     """The step's plan, its microbatch counts for the microbatch size ``size``."""
     size: Any
     """The microbatch size in force when the step's batch was read (a step ahead) and its counts were taken."""
-    any_shadow: bool = field(init=False)
-    """Some rank has no real batch at this step: ``bool(plan.joined_ranks)``."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, 'any_shadow', bool(self.plan.joined_ranks))
+    @property
+    def any_shadow(self) -> bool:
+        """Some rank has no real batch at this step: ``bool(plan.joined_ranks)``."""
+        return bool(self.plan.joined_ranks)
 
     def recounted(self, size: Any) -> StepRecord:
         """This step with its microbatch counts for ``size`` (:meth:`~composer_join.core.plan.StepPlan.recounted`)."""
@@ -303,10 +303,6 @@ class JoinLoader:
         return self.rules.length
 
     @property
-    def check_overflow(self) -> bool:
-        return self.rules.lengths.check_overflow
-
-    @property
     def finished_on_resume(self) -> bool:
         """The current iteration ended at once: its epoch was trained before the checkpoint it resumed."""
         return self._now.finished_on_resume
@@ -332,6 +328,12 @@ class JoinLoader:
         record = self.step
         return record.plan if record is not None else None
 
+    @property
+    def shadowing(self) -> bool:
+        """This rank has no real batch at :attr:`step` (False outside an iteration)."""
+        record = self.step
+        return record is not None and not record.plan.has_batch(self.rules.rank)
+
     def publish(self, plan: StepPlan) -> StepRecord:
         """Make and publish a new record of the step being trained with ``plan`` (its counts taken again after
         another algorithm reshaped the batch, :func:`~composer_join.interop.replan.replan`); returns it."""
@@ -349,7 +351,7 @@ class JoinLoader:
         offset = self.rules.lengths.offset
         return Progress(
             trained=now.trained,
-            used=self.source.used(now.steps - offset, now.trained),
+            used=self._used(),
             sent=self.source.sent(now.steps - offset),
             ended=self.source.ends_with_own_data and ended,
         )

@@ -247,7 +247,7 @@ def lift_cap(state: State, loader: JoinLoader) -> Optional[Any]:
     """Let Composer's next loop over ``loader`` run past ``state.dataloader_len``; return the cap to put back.
 
     Composer's ``_iter_dataloader`` stops after ``state.dataloader_len`` batches, read once, when the
-    loop starts. Where that is the longest ``len()`` (``loader.check_overflow``), a rank that yields
+    loop starts. Where that is the longest ``len()`` (``Lengths.check_overflow``), a rank that yields
     more would lose its extra batches: call this on every rank right before Composer starts the loop
     (``EPOCH_START``, ``EVAL_START``, ``PREDICT_START``), then put the returned cap back in
     ``state.dataloader_len`` once the loop has started (``BEFORE_DATALOADER``) for schedules and

@@ -37,14 +37,13 @@ from composer.core import DataSpec, State
 from composer_join.core.batches import first_samples
 from composer_join.core.plan import StepPlan
 from composer_join.interop.metrics import MetricStates, count_shadow_update, shadow_update
-from composer_join.join.loader import JoinLoader, Learned
+from composer_join.join.loader import TEMPLATE_SAMPLES, JoinLoader, Learned
 from composer_join.shadow.buffers import BufferGuard
 from composer_join.shadow.dataspec import count_samples
 from composer_join.wrappers.wrapper import Microbatch as WrapperMicrobatch
 
 __all__ = ['TEMPLATE_SAMPLES', 'Microbatch', 'Microbatches', 'Step']
 
-TEMPLATE_SAMPLES = 2
 """Samples in a shadow forward: two, so that BatchNorm in training mode accepts it."""
 
 

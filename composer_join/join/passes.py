@@ -19,7 +19,8 @@ reverse) and lets *algorithm passes* reorder that list per event (``composer/cor
 * on every step's ``AFTER_DATALOADER`` where some rank's trainer has other algorithms (agreed at ``FIT_START``:
   the same on every rank, whatever each algorithm matches on each rank), UnevenJoin runs last and re-agrees the
   ranks' sample and microbatch counts, which they may have changed (:mod:`composer_join.interop.replan`); where no
-  rank's trainer has another algorithm, UnevenJoin does not run there either;
+  rank's trainer has another algorithm, UnevenJoin does not match ``AFTER_DATALOADER`` at all
+  (:meth:`~composer_join.join.fit.FitSession.wants`), so the pass never sees it there;
 * ``BEFORE_BACKWARD`` and ``AFTER_*``: UnevenJoin runs last, so the gradient weight it puts on
   ``state.loss`` survives algorithms that rewrite the loss (MixUp's and CutMix's
   ``interpolate_loss``) and it cleans up after the others;
@@ -63,8 +64,6 @@ def join_pass(algorithms: Sequence[Algorithm], event: Event) -> Sequence[Algorit
     join.pass_seen = True
     others = [a for a in algorithms if a is not join]
     if event == Event.AFTER_DATALOADER:  # some rank has others: the stand-in first where they run, the new counts
-        if not join.regathers_counts:
-            return others
         return [join, *others, join] if join.stands_in(bool(others)) else [*others, join]
     if event in MICROBATCH_EVENTS and join.shadows_microbatch(event):
         return [join]

@@ -102,12 +102,6 @@ class Run:
         return record is not None and record.shadow
 
     @property
-    def regathers_counts(self) -> bool:
-        """Whether every step's ``AFTER_DATALOADER`` re-gathers the counts: some rank's trainer has other algorithms
-        (agreed in the fit's first agreement, so the same on every rank, whatever each algorithm matches)."""
-        return self.fit is not None and self.fit.loader.others
-
-    @property
     def train(self) -> Optional[JoinLoader]:
         """The train loader of the current (or last) fit."""
         return self.fit.loader if self.fit is not None else None

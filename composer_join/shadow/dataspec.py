@@ -148,15 +148,11 @@ class ShadowSplit:
 def split_gave_empty(spec: Optional[DataSpec]) -> bool:
     """Whether the last split of ``spec`` (through its :class:`ShadowSplit`) gave a microbatch of no samples out of a
     batch that has some. Cost: a look at ``spec.split_batch`` and the wrappers around it."""
-    split = spec.split_batch if spec is not None else None
-    while getattr(split, 'uneven_join_wrapper', False):
-        if isinstance(split, ShadowSplit):
-            return split.gave_empty
-        split = split.split  # type: ignore[union-attr]  # one of UnevenJoin's wrappers
-    return False
+    wrappers = _wrappers(spec.split_batch) if spec is not None else []
+    return any(s.gave_empty for s in wrappers if isinstance(s, ShadowSplit))
 
 
 def _unwrapped(split: Any) -> Any:
-    while getattr(split, 'uneven_join_wrapper', False):
-        split = split.split
-    return split
+    """The user's (or Composer's) ``split_batch`` inside UnevenJoin's wrappers."""
+    wrappers = _wrappers(split)
+    return wrappers[-1].split if wrappers else split

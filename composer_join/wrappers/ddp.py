@@ -313,11 +313,6 @@ class DDPWrapper(Wrapper):
         self.unused = UnusedParameters([])  # on steps with a shadowing rank: no gradient where no real sample was
         self.strategy: Optional[str] = None  # Composer's ddp_sync_strategy (None: not known)
 
-    @property
-    def mode(self) -> str:
-        """The way shadow microbatches run: ``'skip'``, ``'zero'`` or ``'template'`` (:class:`ShadowWay`)."""
-        return self.way.name
-
     def state_dict(self) -> dict[str, Any]:
         return {'buffer_source': self.source.rank}
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-from composer.core import DataSpec, State
+from composer.core import State
 from composer.utils import dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
@@ -42,6 +42,7 @@ from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import StepPlan
 from composer_join.interop.oom import OOMChecks
 from composer_join.shadow.buffers import BufferGuard
+from composer_join.shadow.dataspec import current_spec
 from composer_join.shadow.gradients import reached_leaves
 from composer_join.shadow.padding import MicrobatchPadding
 from composer_join.shadow.shadow import LossShape, connected_zero_loss
@@ -243,13 +244,10 @@ class FSDPWrapper(Wrapper):
             MicrobatchPadding.install(
                 spec, changes, plan, state.device.tensor_to_device, checks=self.oom, count=count, failures=failures
             )
-        else:
-            for evaluator in state.evaluators:
-                if evaluator.label == state.dataloader_label and isinstance(evaluator.dataloader, DataSpec):
-                    spec = evaluator.dataloader
-                    MicrobatchPadding.install(
-                        spec, changes, plan, state.device.tensor_to_device, count=spec.get_num_samples_in_batch
-                    )
+        elif (spec := current_spec(state)) is not None:  # the evaluator's (predict(): none)
+            MicrobatchPadding.install(
+                spec, changes, plan, state.device.tensor_to_device, count=spec.get_num_samples_in_batch
+            )
         self.guard.attach(changes)
         if train:
             changes.call(self.failures.clear)  # found in a step the run left half-way

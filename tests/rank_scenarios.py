@@ -344,7 +344,7 @@ def train(cfg: dict) -> dict[str, Any]:
     trainer = quiet_trainer(
         model=model,
         train_dataloader=make_loader(cfg, rank),
-        max_duration=cfg.get('max_duration', f'{cfg.get("epochs", 1)}ep'),
+        max_duration=None if cfg.get('chunks') else cfg.get('max_duration', f'{cfg.get("epochs", 1)}ep'),
         optimizers=optimizer,
         schedulers=CosineAnnealingScheduler() if cfg.get('schedule') == 'cosine' else None,
         algorithms=([join] if join is not None else [])
@@ -358,7 +358,9 @@ def train(cfg: dict) -> dict[str, Any]:
         eval_interval=cfg.get('eval_interval', 1),
     )
     try:
-        error = error_if_expected(cfg, lambda: (trainer.fit(), cfg.get('eval_after') and trainer.eval()))
+        # ``chunks``: fit(duration=...) once per piece (they add up to the epochs) instead of one fit()
+        fits = [lambda d=d: trainer.fit(duration=d) for d in cfg.get('chunks', [])] or [trainer.fit]
+        error = error_if_expected(cfg, lambda: ([f() for f in fits], cfg.get('eval_after') and trainer.eval()))
     finally:
         trainer.close()
         logging.getLogger('composer_join').removeHandler(lines)

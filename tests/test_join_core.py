@@ -52,6 +52,10 @@ SCENARIOS: dict[str, dict] = {
         epochs=2,
         max_steps=8,
     ),
+    # fit(duration=...) in pieces, as a notebook does (Composer's test_trainer too): each piece but the last stops
+    # mid-epoch, the next one resumes there; across the epoch's end in one piece ('7ba'); an epoch per piece
+    'chunked_fits': dict(shards=[40, 21], batch_size=8, epochs=2, join=DIVIDE, chunks=['3ba', '3ba', '4ba']),
+    'chunked_across_epochs': dict(shards=[40, 0, 13], batch_size=4, epochs=2, join=DIVIDE, chunks=['7ba', '13ba']),
     # three ranks, one of them with no data at all
     'empty_shard': dict(shards=[20, 0, 13], batch_size=4, epochs=2, join=DIVIDE),
     # only the last rank has data: it sends the template to the others (the lowest rank with data does)
@@ -66,6 +70,8 @@ SCENARIOS: dict[str, dict] = {
 # tested in one process: tests/test_protocol.py, loader_fails@1)
 ROTATED = [
     'sgd_2ep_divide',
+    'chunked_fits',
+    'chunked_across_epochs',
     'one_batch_each',
     'batchnorm',
     'len_too_short',
@@ -128,6 +134,8 @@ def total_samples(cfg: dict) -> int:
             'cosine_adam_2ep',
             'dict_batches_metrics',
             'tensor_batches',
+            'chunked_fits',
+            'chunked_across_epochs',
             'one_batch_each',
             'no_len_batches',
             'no_len_samples',

@@ -44,8 +44,6 @@ from composer_join.wrappers.wrapper import Microbatch as WrapperMicrobatch
 
 __all__ = ['TEMPLATE_SAMPLES', 'Microbatch', 'Microbatches', 'Step']
 
-"""Samples in a shadow forward: two, so that BatchNorm in training mode accepts it."""
-
 
 @dataclass(frozen=True)
 class Microbatch:

@@ -19,6 +19,7 @@ from composer.utils import collect_env
 sys.path.insert(0, str(Path(__file__).parent))
 
 import devices
+import fork_guard
 import rank_scenarios
 from harness import RankError
 
@@ -26,6 +27,8 @@ from harness import RankError
 # Composer caches the answer per process. Asked here, at import, it is asked once in the harness's server and every
 # rank forked from it inherits the cached answer.
 collect_env.get_cpu_model()
+# Installed in the server, so every rank and its DataLoader workers inherit it (tests/fork_guard.py).
+fork_guard.install()
 
 
 def _resolve(function: str):

@@ -86,6 +86,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fork_guard
 from harness import RankError, launch
 from pipeline_data import EVAL_IDS, X, Y, kept, replay
 from reference import max_abs_diff
@@ -249,7 +250,13 @@ def runs(tmp_path_factory):
         (f'stock:{name}', 'scenarios_pipelines:run_stock', dict(name=name, cfg=ALL[name], folder=folder))
         for name in STOCK.values()
     ]
+    calls.insert(0, ('fork_guard', 'fork_guard:installed', {}))
     return launch(WORLD, calls, timeout=600)
+
+
+def test_every_rank_holds_the_fork_guard_where_the_interpreter_needs_it(runs):
+    """Every rank forks its DataLoader workers under ``tests/fork_guard.py`` on CPython 3.11.0-3.11.7, else not."""
+    assert runs['fork_guard'] == [fork_guard.needed()] * WORLD
 
 
 def steps_of(steps_per_rank: list[dict[int, tuple[int, list[int]]]]) -> list[list[list[int]]]:

@@ -1,5 +1,5 @@
-/* Test-only: CPython 3.11.0-3.11.7's fork fix (python/cpython#112275, fixed by #112336 in 3.11.8), as pthread_atfork
- * handlers. See fork_guard.py. */
+/* Test-only: CPython 3.12's mend of python/cpython#112275 (on the 3.11 branch after 3.11.7: #112336), as
+ * pthread_atfork handlers, for CPython 3.11. See fork_guard.py. */
 #define Py_BUILD_CORE 1
 #include <Python.h>
 #include <pthread.h>

@@ -1,22 +1,24 @@
-"""CPython 3.11.0-3.11.7's fork deadlock, mended for the test suite's processes. Not a test module.
+"""CPython 3.11's fork deadlock, mended for the test suite's processes. Not a test module.
 
 A DataLoader with ``num_workers > 0`` started by ``fork`` (Linux's default) forks its workers from a rank whose gloo
-threads (``ProcessGroupGloo::runLoop``) destroy finished collectives. When the last reference to a tensor that has
-a Python object goes there, torch takes the GIL through pybind11, which creates a Python thread state under the
+threads (``ProcessGroupGloo::runLoop``) destroy finished collectives. When the last reference to a tensor that has a
+Python object goes there, torch takes the GIL through pybind11, which creates a Python thread state under the
 interpreter's ``HEAD_LOCK`` *without* the GIL. A fork at that moment gives a child that inherits the lock held and
 blocks for ever in ``PyOS_AfterFork_Child -> _PyEval_ReInitThreads -> _PyThreadState_DeleteExcept``: the worker
-never starts, the rank waits for its first batch, the other ranks in their next collective
-(python/cpython#112275; fixed in 3.11.8 by python/cpython#112336, and in 3.12, whose ``PyOS_BeforeFork`` holds
+never starts, the rank waits for its first batch, the other ranks in their next collective (python/cpython#112275;
+fixed on the 3.11 branch after 3.11.7 by python/cpython#112336, and in 3.12, whose ``PyOS_BeforeFork`` holds
 ``HEAD_LOCK`` across the fork). Stock Composer hangs the same way: measured with 2 ranks, 2 fork-started workers,
-new every epoch, 6 or 7 batches an epoch, on this machine's Python 3.11.7 the run hung within 300 epochs in 6 of 6
-tries (at epochs 25 to 275; with UnevenJoin and without), and finished 300 epochs in 3 of 3 tries with this guard.
+new every epoch, 6 or 7 batches an epoch, on this machine's Python 3.11.7, 9 of 10 runs hung before epoch 300 (at
+epochs 25 to 275; stock Composer in 5 of 6, with UnevenJoin in 4 of 4), and 3 of 3 finished with this guard.
 
 :func:`install` (called by ``conftest.py`` and, through its import, by ``rank_worker.py`` in the harness's server,
 so every rank and every worker inherits it) does what 3.12 does, as ``pthread_atfork`` handlers
 (``fork_guard.c``): the forking thread holds ``HEAD_LOCK`` across ``fork()`` and releases it in the parent and in
 the child. It is compiled once per interpreter with the compiler and headers of the machine (``cc``, CPython's own
-internal headers) into the temporary folder. On any other Python it does nothing. Users on 3.11.0-3.11.7 meet the
-hang with or without UnevenJoin; docs/troubleshooting.md says what they can do.
+internal headers) into the temporary folder. It is installed on every CPython 3.11 (on a release with the fix it
+changes nothing: the child releases the lock before CPython re-creates it) and on no other Python (3.12 takes the lock
+itself, and would wait for it a second time). Users on an affected Python meet the hang with or without UnevenJoin;
+docs/limits.md says what they can do.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ _loaded: ctypes.CDLL | None = None
 
 
 def needed() -> bool:
-    """Whether this interpreter has the bug: CPython 3.11.0 to 3.11.7."""
-    return sys.implementation.name == 'cpython' and (3, 11) <= sys.version_info[:3] < (3, 11, 8)
+    """Whether the guard is installed here: CPython 3.11 (3.11.7, this machine's, has the bug; 3.12 must not have it)."""
+    return sys.implementation.name == 'cpython' and sys.version_info[:2] == (3, 11)
 
 
 def _build() -> Path:

@@ -255,7 +255,7 @@ def runs(tmp_path_factory):
 
 
 def test_every_rank_holds_the_fork_guard_where_the_interpreter_needs_it(runs):
-    """Every rank forks its DataLoader workers under ``tests/fork_guard.py`` on CPython 3.11.0-3.11.7, else not."""
+    """Every rank forks its DataLoader workers under ``tests/fork_guard.py`` on CPython 3.11, else not."""
     assert runs['fork_guard'] == [fork_guard.needed()] * WORLD
 
 

@@ -58,7 +58,7 @@ def _build() -> Path:
 
 
 def install() -> None:
-    """Register the guard in this process (once; its children inherit it). A no-op where the bug is fixed."""
+    """Register the guard in this process (once; its children inherit it). A no-op where :func:`needed` is false."""
     global _loaded
     if _loaded is not None or not needed():
         return

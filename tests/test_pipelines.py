@@ -241,7 +241,8 @@ for _name, _cfg in ALL.items():
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-    """Every case (the refused ones too), then stock Composer on each pipeline: one 2-rank launch."""
+    """Whether each rank holds the fork guard, every case (the refused ones too), then stock Composer on each
+    pipeline: one 2-rank launch."""
     folder = str(tmp_path_factory.mktemp('pipelines'))
     calls = [
         (name, 'scenarios_pipelines:run_case', dict(name=name, cfg=cfg, folder=folder)) for name, cfg in ALL.items()

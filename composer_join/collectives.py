@@ -26,9 +26,11 @@ class CollectiveCounter(Callback):
     Python-level ``torch.distributed`` calls are counted by wrapping them for the duration of the
     fit (FSDP1 and FSDP2 issue theirs, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``,
     from Python too); DDP's gradient bucket all-reduces (issued from C++) by a DDP communication
-    hook that does what DDP's default does. A step's window runs from the previous step's ``BATCH_END`` (or the
-    epoch start) to its own ``BATCH_END``, so it includes the dataloader fetch. Cost: a dict update
-    per collective; it replaces any DDP communication hook.
+    hook that does what DDP's default does, registered once per DDP model (torch allows one; a second fit on the
+    same model keeps it). A step's window runs from the previous step's ``BATCH_END`` (or the
+    epoch start) to its own ``BATCH_END``, so it includes the dataloader fetch. The wrappers are put back at
+    ``FIT_END``, and at the next ``FIT_START`` where a fit raised before its end (never wrapped twice). Cost: a dict
+    update per collective; it replaces any DDP communication hook.
 
     Example::
 
@@ -56,6 +58,7 @@ class CollectiveCounter(Callback):
         self.shadow: list[bool] = []
         self._mark: dict[str, int] = {}
         self._originals: dict[str, Any] = {}
+        self._hooked: Any = None  # the DDP model the communication hook is registered on (once per model)
 
     def _wrap(self, kind):
         original = (
@@ -72,6 +75,7 @@ class CollectiveCounter(Callback):
         setattr(torch.distributed, kind, counted)
 
     def fit_start(self, state, logger):
+        self._unwrap()  # a fit that raised left its wrappers
         for kind in self.KINDS:
             self._wrap(kind)
         all_reduce, world = self._originals['all_reduce'], torch.distributed.get_world_size()
@@ -81,8 +85,9 @@ class CollectiveCounter(Callback):
             work = all_reduce(bucket.buffer().div_(world), async_op=True)
             return work.get_future().then(lambda fut: fut.value()[0])
 
-        if isinstance(state.model, DistributedDataParallel):
+        if isinstance(state.model, DistributedDataParallel) and state.model is not self._hooked:
             state.model.register_comm_hook(None, grad_bucket_hook)
+            self._hooked = state.model
 
     def epoch_start(self, state, logger):
         self._mark = dict(self.total)
@@ -93,5 +98,9 @@ class CollectiveCounter(Callback):
         self._mark = dict(self.total)
 
     def fit_end(self, state, logger):
+        self._unwrap()
+
+    def _unwrap(self):
         for kind, original in self._originals.items():
             setattr(torch.distributed, kind, original)
+        self._originals = {}

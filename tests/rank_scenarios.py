@@ -166,6 +166,7 @@ class Recorder(Callback):
 
     def __init__(self):
         self.lrs: list[float] = []
+        self.dataloader_lens: list[Optional[int]] = []  # as a callback reads it at each step's start
         self.params: list[torch.Tensor] = []
         self.shadow: list[bool] = []
         self.train_metric: list[int] = []
@@ -185,6 +186,7 @@ class Recorder(Callback):
 
     def batch_start(self, state, logger):
         self.lrs.append(state.optimizers[0].param_groups[0]['lr'])
+        self.dataloader_lens.append(None if state.dataloader_len is None else int(state.dataloader_len))
 
     def batch_end(self, state, logger):
         self.params.append(torch.cat([p.detach().flatten().cpu() for p in state.model.parameters()]))
@@ -377,7 +379,8 @@ def train(cfg: dict) -> dict[str, Any]:
         'train_metric': recorder.train_metric,
         'forward_sizes': model.forward_sizes,
         'timestamp': {'batch': int(ts.batch), 'sample': int(ts.sample), 'token': int(ts.token), 'epoch': int(ts.epoch)},
-        'dataloader_len': None if trainer.state.dataloader_len is None else int(trainer.state.dataloader_len),
+        # as callbacks read it during the fit (afterwards Composer's own, for this rank's loader, as without UnevenJoin)
+        'dataloader_len': recorder.dataloader_lens[-1] if recorder.dataloader_lens else None,
         'reports': [vars(r).copy() for r in join.reports] if join is not None else [],
         'logged': {k: [v for _, v in vals] for k, vals in memory.data.items() if k.startswith('uneven_join/')},
         'log_lines': lines.lines,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -108,9 +108,12 @@ def loader_for(
     throw: bool = False,
     microbatch: int = 2,
     rebalance: bool = False,
+    lifted: bool = True,
 ) -> JoinLoader:
     """What ``join_dataloader`` builds on ``rank``, over ``shard``: the first agreement, then the source
-    (``batch_source``, the glue's own: a rebalancer's transfers go through the lockstep's wire) and the loader."""
+    (``batch_source``, the glue's own: a rebalancer's transfers go through the lockstep's wire) and the loader.
+    ``lifted``: the ranks' dataloaders may yield more than their ``len()`` (as an ``IterableDataset`` read by several
+    workers does, :attr:`~composer_join.core.protocol.Lengths.lifted`), so Composer's cap is lifted where it must be."""
     exchange = lockstep.exchange(rank)
     dataloader = ShardLoader(shard, rank)
     own = len_or_none(dataloader)
@@ -122,6 +125,7 @@ def loader_for(
     lengths = Lengths(shared, check_overflow, per_rank)
     channel = BatchChannel(wire=lockstep.wire(rank)) if rebalance else None
     source, lengths = batch_source(dataloader, lengths, rebalance, lambda t: t, len, layout, exchange, channel)
+    lengths = replace(lengths, lifted=lifted)
     return JoinLoader(source, glue, Rules(lengths, rank, layout, throw=throw), exchange)
 
 
@@ -177,6 +181,7 @@ def simulate(
     microbatch: int = 2,
     timeout: float = 20.0,
     rebalance: bool = False,
+    lifted: bool = True,
 ) -> Simulation:
     """Every rank's run over its shard (``shards[rank]``), ``epochs`` epochs, in one process (``rebalance``:
     ``mode='rebalance'``)."""
@@ -185,7 +190,7 @@ def simulate(
     def rank_main(rank: int, lockstep: Lockstep) -> Run:
         run = Run()
         try:
-            run.loader = loader_for(shards[rank], lockstep, rank, layout, throw, microbatch, rebalance)
+            run.loader = loader_for(shards[rank], lockstep, rank, layout, throw, microbatch, rebalance, lifted)
             fit(run.loader, lockstep.exchange(rank), epochs, run)
         except Exception as e:  # the test checks it
             run.error = e

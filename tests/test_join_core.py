@@ -32,7 +32,7 @@ SCENARIOS: dict[str, dict] = {
     ),
     # a list of strings beside the tensors: rank 1 shadows with it (empty lists, one microbatch)
     'text_lists': dict(shards=[16, 8], batch_size=8, epochs=1, fmt='text', join=DIVIDE),
-    'len_too_short': dict(shards=[24, 40], batch_size=8, epochs=1, join=DIVIDE, claimed_len={1: 16}),
+    'len_too_short': dict(shards=[24, 40], batch_size=8, epochs=1, join=DIVIDE, claimed_len={1: 16}, expect_error=True),
     'loader_fails': dict(shards=[24, 40], batch_size=8, epochs=1, join=DIVIDE, fail_at={1: 20}),
     'throw_even': dict(shards=[16, 16], batch_size=8, epochs=2, join={'throw_on_early_termination': True}),
     'batchnorm': dict(shards=[40, 21], batch_size=8, epochs=2, model='bn', join=DIVIDE),
@@ -278,15 +278,13 @@ def test_batches_with_lists_of_strings_are_shadowed_like_tensor_batches(runs):
 
 
 @pytest.mark.parametrize('name', expand(['len_too_short'], SCENARIOS))
-def test_a_len_that_hides_batches_is_a_hint_every_batch_is_trained(runs, name):
-    # one rank's len() says 2 batches, it yields 5: the epoch goes on past the longest len() (3), on agreed steps
-    per_rank = ok(runs, name)
-    ref = reference.train(SCENARIOS[name])
-    assert ref['steps_per_epoch'] == 5
-    reference.assert_like_reference(name, per_rank, ref['params'], TOL)
-    for res in per_rank:
-        assert res['timestamp']['batch'] == 5 and res['timestamp']['sample'] == 64
-        assert res['dataloader_len'] == 3  # what schedules read: the longest len()
+def test_a_len_that_hides_batches_stops_every_rank_naming_it(runs, name):
+    # one rank's len() says 2 batches, it yields 5 (no DataLoader workers: its len() is taken as exact, issue 51):
+    # Composer stops the epoch at the longest len() (3), so every rank stops there, naming the rank, never dropping
+    # its batches in silence (tests/test_len_hints.py: an IterableDataset read by workers trains them)
+    (hiding,) = SCENARIOS[name]['claimed_len']
+    for res in ok(runs, name):
+        assert f'rank(s) [{hiding}] yielded more than the 3 batches' in (res['error'] or ''), res['error']
 
 
 @pytest.mark.parametrize('name', expand(['loader_fails'], SCENARIOS))

@@ -325,11 +325,25 @@ def test_a_batch_where_every_len_is_0_is_more_than_len_promised():
     assert rules((0, 0)).past(0) and not rules((5, 3)).past(4) and not rules((0, None)).past(0)
 
 
-def test_composers_cap_is_lifted_only_where_it_is_the_longest_len():
-    r = rules((5, 3))
+@pytest.mark.parametrize('order', [(0, 1), (1, 0)])
+def test_a_len_that_hides_batches_stops_every_rank_where_no_rank_may_yield_more_than_its_len(order):
+    """Issue 51: Composer's cap holds where every rank's ``len()`` is taken as exact (no IterableDataset read by several
+    workers): a rank that yields more than the longest ``len()`` stops every rank, naming it, never a silent loss."""
+    shards = [Shard((8,) * 3, 'exact', first=0), Shard((8,) * 5, 2, first=1000)]
+    shards = [shards[i] for i in order]
+    sim = simulate(shards, lifted=False)
+    hiding = order.index(1)
+    for run in sim.runs:
+        assert isinstance(run.error, UnevenInputsError), run.error
+        assert f'rank(s) [{hiding}] yielded more than the 3 batches' in str(run.error)
+
+
+def test_composers_cap_is_lifted_only_where_it_is_the_longest_len_and_some_rank_may_yield_more():
+    r = Rules(Lengths(5, True, [5, 3], lifted=True), 0, FLAT2)  # some rank reads an IterableDataset with workers
     assert r.lifts(5) and not r.lifts(4) and not r.lifts(None)
-    capped = Rules(Lengths(4, False, [5, 3]), 0, FLAT2)  # the trainer asked for 4 batches
+    capped = Rules(Lengths(4, False, [5, 3], lifted=True), 0, FLAT2)  # the trainer asked for 4 batches
     assert not capped.lifts(4) and not rules((5, None)).lifts(None)
+    assert not rules((5, 3)).lifts(5)  # every len() exact: Composer's cap holds, as without UnevenJoin
 
 
 @pytest.mark.parametrize(

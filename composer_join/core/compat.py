@@ -22,6 +22,7 @@ torch FSDP               FSDP1 ``_handle.flat_param`` and its ``_fqns``, ``_para
                          ``_shared_param_infos``; FSDP2 ``_get_fsdp_state()``,
                          ``_fsdp_param_group``, ``_param_fqn``, ``_unsharded_param`` (gradient units)
 torch.distributed        ``_broadcast_coalesced`` (counted by ``CollectiveCounter``)
+torch schedulers         ``LRScheduler._last_lr`` (``get_last_lr()`` after a schedule's rate is set again)
 torch process groups     ``_device_types``, ``wrapped_pg``, ``options._timeout`` (the transfer group's
                          timeout; without them: torch's default)
 Composer                 ``composer.core.data_spec._default_split_batch``,
@@ -29,8 +30,9 @@ Composer                 ``composer.core.data_spec._default_split_batch``,
                          ``composer.trainer.trainer._get_distributed_sampler`` (reshuffling as Composer
                          does), ``State._dataloader_len`` (lifting the length cap), ``State._dataset_of``,
                          ``composer.core.engine._get_default_passes`` (the algorithm pass),
-                         ``Trainer._train_data_spec`` and ``Trainer._ddp_sync_strategy`` (found on the
-                         call stack, ``sys._getframe``; without the strategy: every step is watched)
+                         ``Trainer._train_data_spec``, ``Trainer._ddp_sync_strategy`` and
+                         ``Trainer.spin_dataloaders`` (found on the call stack, ``sys._getframe``; without
+                         the strategy: every step is watched; without the spin setting: Composer's default)
 torchmetrics             ``Metric._defaults``, ``_reductions``, ``_update_count``, ``_computed``
 Hugging Face datasets    ``IterableDataset._ex_iterable`` (a shuffle buffer; without it: assumed)
 =======================  ============================================================================
@@ -77,8 +79,10 @@ __all__ = [
     'reset_reducer',
     'run_comm_hook',
     'set_default_passes',
+    'set_last_lr',
     'set_update_count',
     'sparse_params',
+    'spins_dataloaders',
     'stand_in_unsupported',
     'sync_buffers_around_forward',
     'train_data_spec',
@@ -287,6 +291,12 @@ def dataloader_cap_off(state: Any) -> None:
     state._dataloader_len = None
 
 
+def set_last_lr(scheduler: Any, rates: list[Any]) -> None:
+    """A torch scheduler's record of the learning rates it set last (``get_last_lr()``), as its ``step()`` keeps it."""
+    private(scheduler, '_last_lr', 'torch')
+    scheduler._last_lr = rates
+
+
 def dataset_of(state: Any, dataloader: Any) -> Any:
     """The dataset Composer reaches through ``dataloader`` (a ``DataLoader``'s), or None."""
     return private(state, '_dataset_of', 'composer')(dataloader)
@@ -317,6 +327,13 @@ def _on_trainer(state: Any, name: str, kind: Any = object) -> Any:
                 return value
         frame = frame.f_back
     return None
+
+
+def spins_dataloaders(state: Any) -> bool:
+    """Whether the running ``Trainer`` skips a resumed epoch's first ``batch_in_epoch`` batches by reading them again
+    (its ``spin_dataloaders``, Composer's default True), found like :func:`train_data_spec`; True if not found."""
+    spins = _on_trainer(state, 'spin_dataloaders', bool)
+    return True if spins is None else spins
 
 
 def train_data_spec(state: Any) -> Any:

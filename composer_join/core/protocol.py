@@ -127,6 +127,11 @@ class Lengths:
     offset: int = 0
     """The iteration's first batch is step ``offset`` of its epoch (the rest of an epoch resumed on another world
     size, :mod:`composer_join.data.elastic`); ``shared`` and ``per_rank`` count from the epoch's start."""
+    lifted: bool = False
+    """Some rank's dataloader may yield more batches than its ``len()`` (an ``IterableDataset`` read by several
+    workers, :class:`~composer_join.core.settings.Facts` ``overcounts``): Composer's cap is lifted while its loop
+    starts (:meth:`Rules.lifts`), so the extra batches train on agreed steps. Elsewhere the cap stays, and a
+    dataloader that yields more than the longest ``len()`` stops every rank (:meth:`Protocol.verdict`)."""
 
     def shifted(self, offset: int) -> Lengths:
         """These lengths, for an iteration whose first batch is step ``offset`` of its epoch."""
@@ -134,7 +139,7 @@ class Lengths:
             return self
         per_rank = None if self.per_rank is None else [None if n is None else offset + n for n in self.per_rank]
         shared = None if self.shared is None else offset + self.shared
-        return Lengths(shared, self.check_overflow, per_rank, offset)
+        return Lengths(shared, self.check_overflow, per_rank, offset, self.lifted)
 
 
 @dataclass(frozen=True)
@@ -201,9 +206,12 @@ class Rules:
 
     def lifts(self, cap: Any) -> bool:
         """Whether Composer's cap ``cap`` (its ``dataloader_len``) must be lifted for a loop over this loader: it is
-        the longest ``len()``, and a dataloader that yields more would lose its extra batches."""
-        length = self.length
-        return self.lengths.check_overflow and cap is not None and length is not None and int(cap) == length
+        the longest ``len()``, and some rank's dataloader may yield more (:attr:`Lengths.lifted`), whose extra batches
+        would be lost."""
+        length, lengths = self.length, self.lengths
+        return (
+            lengths.lifted and lengths.check_overflow and cap is not None and length is not None and int(cap) == length
+        )
 
     def row_without_batch(self, step: int, ended_now: bool, template: Optional[int]) -> RankStatus:
         """This rank's row at a step where it has no batch: its dataloader ended just now (``ended_now``) before its
@@ -360,7 +368,7 @@ class Protocol:
             self.ended = True
             return Verdict(plan, ends=True)
         overflow = [r for r, s in enumerate(plan.statuses) if s.overflow]
-        if overflow and not self.uncapped:  # an epoch resumed mid-way: Composer stops at len()
+        if overflow and not self.uncapped:  # Composer stops at its cap, the longest len(): they would be lost
             return Verdict(plan, error=self._overflow_error(overflow))
         self.beyond = self.beyond or bool(overflow)
         return Verdict(plan, template_from=plan.template_source)
@@ -406,7 +414,9 @@ class Protocol:
 
         Then some rank stopped alone on a planned step (:meth:`plan`): the ranks agree on who (one exchange), gather
         the causes where some rank raised (only then), and every rank raises, the failing one its own error, the
-        others :class:`UnevenInputsError` naming it and its cause. Otherwise a no-op, no exchange.
+        others :class:`UnevenInputsError` naming it and its cause. Where no rank failed, Composer ended the epoch by its
+        own count (it re-read the dataloader from its start within the epoch, ``spin_dataloaders=False``, and reached
+        its ``dataloader_len``): nothing is raised. Where the loop reached the shared length, a no-op, no exchange.
         """
         length = self.rules.length
         if length is None or self.ended or steps >= length:
@@ -416,6 +426,8 @@ class Protocol:
         what = 'the agreement on which ranks could not form a batch'
         table = self.exchange.rows([-1 if step is None else step, int(short)], what).wait()
         failed = [None if s < 0 else (int(s), bool(f)) for s, f in table]
+        if all(f is None for f in failed):
+            return  # no rank failed: Composer ended the epoch by its own count (fit(duration=...), spin_dataloaders)
         causes: list[Optional[str]] = []
         if any(f is not None and not f[1] for f in failed):  # on every rank alike: only on this error path
             causes = self.exchange.gather(None if error is None else f'{type(error).__name__}: {error}')
@@ -474,11 +486,13 @@ class Protocol:
         return None
 
     def _overflow_error(self, ranks: list[int]) -> UnevenInputsError:
+        where = ', in an epoch resumed mid-way from a checkpoint' if self.first > 0 else ''
         return UnevenInputsError(
-            f'the dataloader of rank(s) {ranks} yielded more than the {self.rules.length} batches per epoch '
-            f'that the longest len() promised, in an epoch resumed mid-way from a checkpoint, which Composer '
-            f"stops at len(); the extra batches would be silently dropped. Make __len__ of each rank's dataset "
-            f'match what it yields, or remove __len__ so the epoch ends when data does.',
+            f'the {self.rules.label} dataloader of rank(s) {ranks} yielded more than the {self.rules.length} batches '
+            f'per epoch that the longest len() promised{where}, and Composer stops every epoch at that length: the '
+            f"extra batches would be silently dropped. Make __len__ of each rank's dataset match what it yields, or "
+            f'remove __len__ so the epoch ends when the data does. (Where an IterableDataset is read by several '
+            f'DataLoader workers, UnevenJoin trains such extra batches: each worker ends with its own partial batch.)',
         )
 
     def _short_error(self, ranks: list[int], step: int) -> UnevenInputsError:

@@ -71,15 +71,20 @@ class Facts:
     """Train: how this rank's shadow microbatches run (an index of :data:`SHADOW_WAYS`, from its model: a
     ``SyncBatchNorm`` or a module marked ``shadow_forward = True`` makes them run the forward); the collectives of a
     shadow step follow from it: the same on every rank, or every rank stops."""
+    overcounts: bool = False
+    """This rank's dataloader may yield more batches than its ``len()``: an ``IterableDataset`` read by several
+    ``DataLoader`` workers (each worker ends with its own partial batch, torch only warns). Where some rank's may,
+    Composer's length cap is lifted while its loop starts (:func:`composer_join.join.loader.lift_cap`); elsewhere
+    it stays, and a dataloader that yields more than the longest ``len()`` stops every rank with an error."""
     label: str = field(default='train', compare=False)
     """The dataloader's label, for messages (not sent)."""
 
     def row(self) -> list[int]:
-        return [self.others, int(self.repeats), self.position, self.shadow]
+        return [self.others, int(self.repeats), self.position, self.shadow, int(self.overcounts)]
 
     @classmethod
     def from_row(cls, values: Sequence[int], label: str = 'train') -> Facts:
-        return cls(int(values[0]), bool(values[1]), int(values[2]), int(values[3]), label)
+        return cls(int(values[0]), bool(values[1]), int(values[2]), int(values[3]), bool(values[4]), label)
 
 
 def _value(name: str, code: int) -> str:

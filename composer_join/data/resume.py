@@ -57,6 +57,7 @@ from typing import Any, NamedTuple, Optional
 from composer.core import State
 from composer.utils import dist
 
+from composer_join.core import compat
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.layout import Layout
 from composer_join.core.peers import lost_peer
@@ -85,15 +86,22 @@ class Start(NamedTuple):
     """How many of the batches it yields first Composer will discard (spinning to ``batch_in_epoch``)."""
     finished: bool = False
     """The epoch's batches were all trained (a checkpoint of its last batch, on another world size): none is read."""
+    rereads: bool = False
+    """Composer reads the dataloader again from its start within an epoch already under way, and keeps every batch
+    (``spin_dataloaders=False``): the iteration counts its steps from its own start, the epoch's report goes on,
+    and Composer ends the epoch by its own count."""
 
 
 def train_position(state: State, finished: bool = False) -> Start:
-    """Where the train dataloader Composer is about to iterate starts (``finished``: see :attr:`Start.finished`)."""
+    """Where the train dataloader Composer is about to iterate starts (``finished``: see :attr:`Start.finished`).
+    Call it from inside Composer's loop (it reads the trainer's ``spin_dataloaders`` from the call stack)."""
     epoch, step = int(state.timestamp.epoch), int(state.timestamp.batch_in_epoch)
     if finished and step > 0:
         return Start(epoch, step, 0, True)
     if 'train' in state.dataset_resumption:  # the dataset resumed itself: no spinning
         return Start(epoch, step, 0)
+    if step > 0 and not compat.spins_dataloaders(state):
+        return Start(epoch, 0, 0, rereads=True)
     return Start(epoch, 0, step)
 
 

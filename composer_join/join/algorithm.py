@@ -12,10 +12,11 @@ event                     what happens
 ========================  ======================================================================
 ``FIT_START``             a fit's session: agree on the epoch length (longest rank's); wrap the train dataloader
                           in a :class:`~composer_join.join.loader.JoinLoader` over the batch source ``mode`` asks
-                          for; per-rank positions of data that keeps one; resume
-``EPOCH_START``           reshuffle a ``DistributedSampler``; lift Composer's ``dataloader_len`` cap
-                          for the epoch's loop (:func:`~composer_join.join.loader.lift_cap`)
-``BEFORE_DATALOADER``     put the cap back once the loop has started (schedules read it)
+                          for; per-rank positions of data that keeps one; resume; every unstepped schedule's
+                          learning rate set again from the agreed length (:mod:`composer_join.interop.schedules`)
+``EPOCH_START``           reshuffle a ``DistributedSampler``; where some rank's dataloader may yield more than
+                          its ``len()``, lift Composer's ``dataloader_len`` cap until the epoch's loop has
+                          started (:func:`~composer_join.join.loader.lift_cap`)
 ``AFTER_DATALOADER``      only where some rank's trainer has other algorithms: a shadow step's stand-in
                           for those that run; every step: the counts again (:mod:`composer_join.interop.replan`)
 ``BEFORE_TRAIN_BATCH``    a step UnevenJoin runs in (some rank shadows, or a setting needs it): the wrapper's step
@@ -23,7 +24,7 @@ event                     what happens
                           :class:`~composer_join.join.microbatches.Microbatch`); the wrapper's part of it entered:
                           a stand-in made inert, or run on a two-sample template
 ``AFTER_FORWARD``         wrapper: automatic microbatching's OOM checks (:mod:`composer_join.interop.oom`)
-``AFTER_LOSS``            wrapper check
+``AFTER_LOSS``            wrapper check; a stand-in's loss reads zero (its value reaches no log, no callback)
 ``BEFORE_BACKWARD``       weight the gradient: ``0`` for a stand-in, ``A_t / W`` if asked (last)
 ``AFTER_BACKWARD``        wrapper: syncing and buffers back, its part of the microbatch exits; a stand-in's
                           metrics kept out
@@ -32,9 +33,10 @@ event                     what happens
 ``*_CHECKPOINT``          where a checkpoint is saved: wrapper (DDP): buffers equal on every rank;
                           every rank's position in its data gathered (:mod:`composer_join.data.resume`)
 ``FIT_END``               wrapper (DDP): buffers equal at the end of ``fit``; the positions gathered;
-                          the fit's register undone (Composer's checkpointed attributes as they were)
-``EVAL_START``            an evaluation's session: this evaluator's dataloader wrapped the same way, the cap
-                          lifted; wrapper part
+                          the fit's register undone (Composer's checkpointed attributes as they were; the
+                          user's train dataloader back in ``state.dataloader``, with Composer's own length)
+``EVAL_START``            an evaluation's session: this evaluator's dataloader wrapped the same way (the cap
+                          lifted until its loop starts, as at ``EPOCH_START``); wrapper part
 ``EVAL_BATCH_START``      automatic microbatching: keep the metric states, for a retry after an OOM
 ``EVAL_BEFORE_FORWARD``   a retry: metric states back; the batch's record, shadow or real, as in training
 ``EVAL_AFTER_FORWARD``    a stand-in's eval metrics kept out
@@ -90,7 +92,6 @@ Route = Callable[[Run, State, Logger, Event], None]
 ROUTES: dict[Event, Route] = {
     Event.FIT_START: lambda run, state, logger, event: run.fit_start(state),
     Event.EPOCH_START: lambda run, state, logger, event: run.fit.epoch_start(state),
-    Event.BEFORE_DATALOADER: lambda run, state, logger, event: run.fit.before_dataloader(state),
     Event.AFTER_DATALOADER: lambda run, state, logger, event: run.fit.after_dataloader(state),
     Event.BEFORE_TRAIN_BATCH: lambda run, state, logger, event: run.fit.before_train_batch(state),
     Event.BEFORE_FORWARD: lambda run, state, logger, event: run.fit.before_forward(state),

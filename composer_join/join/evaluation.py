@@ -83,7 +83,7 @@ class EvalSession:
             return
         if not predict:
             loader.set_epoch(int(state.timestamp.batch))  # what Composer does for an eval sampler
-        lift_cap(state, loader)  # Composer puts the train cap back after the evaluation
+        lift_cap(state, loader)  # only where some rank's dataloader may yield more than its len()
         context.wrapper.start(state, train=False)
 
     def plan(self) -> Optional[StepPlan]:

@@ -8,8 +8,9 @@ positions, and the next fit takes over what its loader learned). It owns:
   replaced once where the rest of an epoch resumed on another world size ends) and the per-rank positions of train
   data that keeps one;
 * the fit's register of changes (:mod:`composer_join.core.changes`): what a fit changes on Composer's ``State``,
-  undone at ``FIT_END``, or when the next fit starts after one that raised;
-* Composer's ``dataloader_len`` while it is lifted (:func:`~composer_join.join.loader.lift_cap`);
+  undone at ``FIT_END``, or when the next fit starts after one that raised: among them ``state.dataloader``, the
+  join's loader from ``FIT_START`` (after the other algorithms) to ``FIT_END``, then the user's again, with
+  Composer's own ``dataloader_len`` for it, exactly as a fit without UnevenJoin leaves them;
 * the microbatches of the train loader's steps (:class:`~composer_join.join.microbatches.Microbatches`).
 
 **Which events it matches** (:meth:`FitSession.wants`, asked by ``UnevenJoin.match`` at every event): Composer's
@@ -18,8 +19,7 @@ engine runs an algorithm's ``apply``, with its own bookkeeping, for every event 
 some rank shadows, this rank's batch or one of its microbatches has no samples, a real microbatch has yet to give
 the stand-in input, or the wrapper needs it (:meth:`~composer_join.wrappers.wrapper.Wrapper.watches`: automatic
 microbatching, microbatch syncs on uneven counts, FSDP). On a watched step it matches every step and microbatch
-event, as before issue 41; on any other step only ``BEFORE_DATALOADER`` while the cap is lifted (an epoch's first
-step), ``AFTER_DATALOADER`` where some rank's trainer has other algorithms (agreed), ``AFTER_TRAIN_BATCH`` where
+event, as before issue 41; on any other step only ``AFTER_DATALOADER`` where some rank's trainer has other algorithms (agreed), ``AFTER_TRAIN_BATCH`` where
 the train metrics have list states (made syncable) and a checkpoint event where a checkpoint is saved.
 """
 
@@ -40,6 +40,7 @@ from composer_join.interop.closures import agree_on_closures
 from composer_join.interop.metrics import has_list_states
 from composer_join.interop.refusals import refuse_incompatible
 from composer_join.interop.replan import replan
+from composer_join.interop.schedules import agree_schedules
 from composer_join.join.context import Context
 from composer_join.join.fitdata import mid_epoch, rest_of_epoch, train_loader, unsaved_positions
 from composer_join.join.loader import JoinLoader, lift_cap
@@ -68,7 +69,6 @@ FIT_EVENTS = (
     frozenset(
         (
             Event.EPOCH_START,
-            Event.BEFORE_DATALOADER,
             Event.AFTER_DATALOADER,
             Event.BEFORE_TRAIN_BATCH,
             Event.AFTER_TRAIN_BATCH,
@@ -96,15 +96,18 @@ class FitSession:
 
     def __init__(self, context: Context, resumed: Optional[Resumed], previous: Optional[FitSession]):
         self.context, self.state = context, context.state
-        self.cap: Any = None  # Composer's train dataloader_len, lifted at EPOCH_START until BEFORE_DATALOADER
         self.others_at_dataloader = False  # other algorithms run at this step's AFTER_DATALOADER, here (the pass)
         self.watched = False  # UnevenJoin runs at every event of the current step
         self.changes = Changes()  # the fit's register: undone at FIT_END
         self._metrics: tuple[Any, bool] = (None, False)  # the train metrics seen, and whether they have list states
         # () -> the train loader of the epochs after the rest of an epoch resumed elastically (made at its end)
         self.after_epoch: Optional[Callable[[], JoinLoader]] = None
-        self._start(self.state, resumed, previous)
+        state = self.state
+        user, label, cap = state.dataloader, state.dataloader_label, state.dataloader_len  # the user's, Composer's cap
+        self.changes.call(lambda: state.set_dataloader(user, label, -1 if cap is None else cap))
+        self._start(state, resumed, previous)
         self.changes.call(lambda: self.positions.close() if self.positions is not None else None)
+        agree_schedules(state)  # the agreed length is in force: the first step's learning rate from it
 
     def _use(self, loader: JoinLoader) -> None:
         """Read ``loader`` from now on (its positions, its microbatches)."""
@@ -181,8 +184,6 @@ class FitSession:
         if event is Event.BEFORE_TRAIN_BATCH:
             self.watched = self._watch(state)
             return self.watched
-        if event is Event.BEFORE_DATALOADER:
-            return self.cap is not None
         if event is Event.AFTER_DATALOADER:
             return self.loader.others
         if event is Event.AFTER_TRAIN_BATCH:
@@ -224,11 +225,7 @@ class FitSession:
 
     def epoch_start(self, state: State) -> None:
         self.loader.set_epoch(int(state.timestamp.epoch))
-        self.cap = lift_cap(state, self.loader)
-
-    def before_dataloader(self, state: State) -> None:
-        if self.cap is not None:  # Composer's loop has read it: schedules and durations read it from here on
-            state.dataloader_len, self.cap = self.cap, None
+        lift_cap(state, self.loader)  # only where some rank's dataloader may yield more than its len()
 
     def after_dataloader(self, state: State) -> None:
         """Only where some rank's trainer has other algorithms (:mod:`composer_join.join.passes`): a shadow step's
@@ -290,7 +287,12 @@ class FitSession:
         self.microbatches.step().wrapped.after_forward(state)
 
     def after_loss(self, state: State) -> None:
-        self.microbatches.step().wrapped.after_loss(state)
+        """The wrapper's check; a stand-in's loss reads zero from here on: its value (a mean over no real token is
+        NaN) would reach Composer's logged loss and the callbacks (a ``NaNMonitor``) on this rank alone."""
+        step = self.microbatches.step()
+        step.wrapped.after_loss(state)
+        if step.microbatch.shadow:
+            state.loss = scale_grad(state.loss, 0.0)
 
     def before_backward(self, state: State) -> None:
         """Weight the gradient: 0 for a stand-in, ``A_t / W`` if asked (last: after any algorithm rewrote the loss)."""

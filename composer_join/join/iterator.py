@@ -277,6 +277,8 @@ class JoinLoader:
         # the next one, when the iteration ends, or when the run raises; None between steps
         self.step_changes: Optional[Changes] = None
         self.uncapped = False  # Composer iterates without its dataloader_len cap this time (see Rules.lifts)
+        # () -> None, called once when the next iteration starts (Composer's loop has read its cap): puts it back
+        self.on_iteration: Optional[Callable[[], None]] = None
         self._resumed: tuple[int, bool] = (0, False)  # own samples trained, own data ended, before a mid-epoch resume
         self._now = _Iteration(Protocol(rules, exchange, self.epoch))
         # the last iteration started (see close_iteration); held weakly: Python closes it once Composer drops it
@@ -422,6 +424,9 @@ class JoinLoader:
         is closed before a new one starts.
         """
         self.close_iteration()
+        started, self.on_iteration = self.on_iteration, None
+        if started is not None:
+            started()
         iteration = self._iterating()
         self._iteration = weakref.ref(iteration)
         return iteration
@@ -457,12 +462,12 @@ class JoinLoader:
         return self.source.used(self._now.steps - self.rules.lengths.offset, self._now.trained)
 
     def _iterate(self) -> Iterator[Any]:
-        first, skipped, finished = 0, 0, False
+        first, skipped, finished, rereads = 0, 0, False, False
         if self.glue.start is not None:
-            epoch, first, skipped, finished = self.glue.start()
+            epoch, first, skipped, finished, rereads = self.glue.start()
             self.set_epoch(epoch)
         trained_before, ended_before = self._resumed if first else (0, False)
-        if first + skipped == 0 or self.report.epoch != self.epoch:  # else: resuming the report's epoch
+        if (first + skipped == 0 and not rereads) or self.report.epoch != self.epoch:  # else: the report's epoch
             self.report = self._new_report(self.epoch)
         if finished:  # every batch of the epoch was trained before the checkpoint: end it, reading nothing
             protocol = Protocol(self.rules, self.exchange, self.epoch, first, ended=True)

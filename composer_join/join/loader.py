@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any, Optional, cast
 
 import torch
 from composer.core import DataSpec, State
 from composer.utils import dist
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from composer_join.core import compat
 from composer_join.core.changes import Changes
@@ -59,6 +60,7 @@ from composer_join.shadow.dataspec import ShadowSplit, count_microbatches, count
 
 __all__ = [
     'TEMPLATE_SAMPLES',
+    'JoinDataLoader',
     'JoinLoader',
     'Learned',
     'Lengths',
@@ -66,6 +68,7 @@ __all__ = [
     'batch_source',
     'join_dataloader',
     'lift_cap',
+    'may_overcount',
     'pads_by_repeating',
 ]
 
@@ -122,10 +125,6 @@ def join_dataloader(
         current = len_or_none(dataloader) if length is None else length
     else:
         dataloader = state.dataloader
-    if isinstance(dataloader, JoinLoader):  # a second fit() on the same trainer
-        own = dataloader.source.own_length  # with mode='rebalance': the batches its shard contributed
-        current = own if own is not None else current
-        dataloader = dataloader.dataloader
     with Changes() as changes:
         before = len_or_none(dataloader)
         shard_by_layout(dataloader, layout, rank, changes)
@@ -135,6 +134,7 @@ def join_dataloader(
     current = None if unsized else current
     if rebalance and own_len is not None and current is not None:
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
+    facts = replace(facts if facts is not None else Facts(), overcounts=may_overcount(dataloader))
     shared, check_overflow, own_lens, every = agree_on_length(
         own_len, current, state.device.tensor_to_device, settings, facts
     )
@@ -162,7 +162,7 @@ def join_dataloader(
         layout,
         exchange,
     )
-    lengths = lengths.shifted(offset)
+    lengths = replace(lengths.shifted(offset), lifted=any(f.overcounts for f in every))
 
     def opening(changes: Changes) -> None:
         shard_by_layout(dataloader, layout, rank, changes)
@@ -176,7 +176,7 @@ def join_dataloader(
         learned = cached.learned
     else:
         learned = Learned(metric_states=MetricStates(state.device.tensor_to_device))
-    loader = JoinLoader(
+    loader = (JoinDataLoader if isinstance(dataloader, DataLoader) else JoinLoader)(
         source,
         Glue(describe, size, lambda: _opened(spec, opening), start, lambda epoch: _reshuffle(dataloader, epoch)),
         rules,
@@ -194,6 +194,15 @@ def join_dataloader(
         lengths.shared if lengths.shared is not None else 'until the last rank runs out',
     )
     return loader
+
+
+class JoinDataLoader(JoinLoader, DataLoader):  # type: ignore[misc]  # JoinLoader.__iter__: a generator
+    """The :class:`JoinLoader` over a user's ``DataLoader``, and a ``DataLoader`` to whoever checks the type:
+    Composer's RandAugment, AugMix and ColOut (``isinstance(state.dataloader, DataLoader)`` at ``FIT_START``), and
+    Composer's own loops, which then find the user's sampler through it, as they would in the user's loader. Built
+    without ``DataLoader.__init__``: every attribute it does not have itself is the user's dataloader's
+    (:meth:`JoinLoader.__getattr__`), and it iterates as a :class:`JoinLoader` only. A loader over anything else is a
+    plain :class:`JoinLoader` (Composer looks for a sampler only in a ``DataLoader``)."""
 
 
 def batch_source(
@@ -243,24 +252,43 @@ def _opened(spec: DataSpec, install: Callable[[Changes], None]) -> Changes:
     return changes
 
 
-def lift_cap(state: State, loader: JoinLoader) -> Optional[Any]:
-    """Let Composer's next loop over ``loader`` run past ``state.dataloader_len``; return the cap to put back.
+def lift_cap(state: State, loader: JoinLoader) -> None:
+    """Let Composer's next loop over ``loader`` run past ``state.dataloader_len``, where some rank's dataloader may
+    yield more batches than its ``len()``; the cap is back as soon as the loop has started.
 
     Composer's ``_iter_dataloader`` stops after ``state.dataloader_len`` batches, read once, when the
-    loop starts. Where that is the longest ``len()`` (``Lengths.check_overflow``), a rank that yields
-    more would lose its extra batches: call this on every rank right before Composer starts the loop
-    (``EPOCH_START``, ``EVAL_START``, ``PREDICT_START``), then put the returned cap back in
-    ``state.dataloader_len`` once the loop has started (``BEFORE_DATALOADER``) for schedules and
-    durations; an evaluation's or prediction's is put back by Composer after its loop. The loader
-    then ends the loop itself, on every rank at the same step. Returns None (and changes nothing) if
-    ``dataloader_len`` is not the longest ``len()``, say a subset of the batches was asked for.
+    loop starts. Where that is the longest ``len()`` and some rank's dataloader may yield more
+    (:attr:`~composer_join.core.protocol.Lengths.lifted`: an ``IterableDataset`` read by several workers), that
+    rank would lose its extra batches: call this on every rank right before Composer starts the loop
+    (``EPOCH_START``, ``EVAL_START``, ``PREDICT_START``). The loader puts the cap back when Composer starts
+    iterating it (:attr:`~composer_join.join.iterator.JoinLoader.on_iteration`), before the first batch, so
+    schedules, durations and callbacks read it from then on; it then ends the loop itself, on every rank at the
+    same step. Nothing is lifted where no rank's dataloader may yield more than its ``len()`` (Composer's cap then
+    holds, as without UnevenJoin), or where ``dataloader_len`` is not the longest ``len()`` (a subset was asked for).
     """
     cap = state.dataloader_len
     if not loader.rules.lifts(cap):
-        return None
+        return
     loader.uncapped = True
     compat.dataloader_cap_off(state)  # Composer's setter would read len(loader) back: no public way to say "no cap"
-    return cap
+
+    def back() -> None:
+        if state.dataloader is loader and state.dataloader_len is None:
+            state.dataloader_len = cap
+
+    loader.on_iteration = back
+
+
+def may_overcount(dataloader: Any) -> bool:
+    """Whether ``dataloader`` may yield more batches than its ``len()``: a ``DataLoader`` over an ``IterableDataset``
+    read by more than one worker process (each worker ends with its own partial batch; torch warns). Any other
+    dataloader's ``len()`` is taken as exact: one that yields more stops every rank with an error."""
+    return (
+        isinstance(dataloader, DataLoader)
+        and isinstance(dataloader.dataset, IterableDataset)
+        and dataloader.num_workers > 1
+        and not dataloader.drop_last
+    )
 
 
 def _describe(spec: DataSpec, batch: Any, microbatch_size: Any) -> tuple[int, int]:

@@ -5,7 +5,8 @@ ranks), and DDP averages over ranks, so a rank's loss reaches the optimizer as t
 real samples of the step. :func:`scale_grad` puts one more factor on the gradient only: ``0`` for a
 shadow microbatch (it must contribute nothing) and ``A_t / W`` for real ones when
 ``divide_by_initial_world_size`` asks for torch's semantics. The forward value, and so Composer's
-logged loss, is unchanged.
+logged loss, is unchanged, but for a factor ``0`` (a stand-in), whose value reads zero: a stand-in's own loss
+(a mean over no real token is NaN) reaches no log and no callback.
 
 Example:
     >>> import torch
@@ -37,7 +38,8 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, factor: float) -> torch.Tensor:
         ctx.factor = factor
-        return tensor.clone()  # a fresh tensor: Composer scales the loss in place afterwards
+        # a fresh tensor (Composer scales the loss in place afterwards); zero where nothing of it may count
+        return tensor.clone() if factor else torch.zeros_like(tensor)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

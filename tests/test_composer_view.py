@@ -1,0 +1,297 @@
+"""What Composer and a callback read is what stock Composer shows them, and on uneven data the agreed values (issue 51).
+
+Two real ranks, one launch (``scenarios_composer_view``):
+
+* **Differential, on even data**: every scenario (train, evaluation, ``predict()``, two fits and a third, a fit in
+  pieces with and without ``spin_dataloaders``, a raise then a retry, at an epoch's start and mid-epoch, an algorithm
+  that checks the loader's type as RandAugment does) runs with stock Composer and with UnevenJoin in both modes; a
+  callback records at every event what a callback can read, and the records must be equal event by event. The one
+  intended difference (docs/how-it-works.md, "What Composer reads, and when"): inside a fit (from ``FIT_START`` to
+  ``FIT_END``, not included), an evaluation or a ``predict()``, ``state.dataloader`` is UnevenJoin's loader over the
+  same user dataloader. Final weights equal stock's.
+* **On uneven data**: the learning rate of every step, from a fit's first step, on every rank, for schedulers in the
+  constructor and in ``fit()``, equals a single-process replay's (:func:`replay`, no composer_join, its schedule
+  formulas validated against stock Composer on even data in the same launch); the clocks, gathered at every batch
+  end, never differ between ranks; the weights equal the replay's. The short rank first and last.
+* **A stand-in's loss** (a mean over no token, NaN) reaches neither the logged loss nor a ``NaNMonitor``.
+
+Measured on main before (issue 51): the fit's first step used lr 0.05 on one rank and 0.003125 on the other (step
+schedule), replicas 1.6e-2 apart; ``dataloader_len`` None at ``EPOCH_START`` and in every evaluation; a raise at the
+first ``EPOCH_START`` then ``fit()``: ``ValueError: max_duration cannot be specified in epochs``; a second fit with the
+type check: ``TypeError``; pieces without spinning: ``UnevenInputsError: rank(s) []``; a second fit with
+``CollectiveCounter``: ``register_comm_hook ... can only be called once``; the stand-in's loss: ``nan`` logged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from harness import RankError, launch
+from toy import lm_batch, lm_shard, lm_token_losses, make_lm, make_module, per_sample_loss, shard
+
+TOL = 1e-6
+BATCH, LR, MOMENTUM = 8, 0.1, 0.9
+MODES = {'stock': None, 'shadow': {}, 'rebalance': {'mode': 'rebalance'}}
+
+EVEN = {
+    'A': {'sizes': (24, 24), 'seed': 0},
+    'B': {'sizes': (16, 16), 'seed': 10},
+    'E': {'sizes': (12, 12), 'seed': 20},
+    'P': {'sizes': (10, 10), 'seed': 30},
+}
+DIFFERENTIAL: dict[str, dict] = {
+    'train_eval_predict': dict(
+        trainer=dict(train='A', eval='E', max_duration='2ep'), calls=[['fit', {}], ['eval', 'E'], ['predict', 'P']]
+    ),
+    'three_fits': dict(
+        trainer=dict(train='A', max_duration='1ep'),
+        calls=[
+            ['fit', {}],
+            ['fit', {'train': 'B', 'duration': '2ep', 'schedule': 'cosine'}],
+            ['fit', {'duration': '1ep'}],
+        ],
+        counter=True,
+    ),
+    'pieces': dict(
+        trainer=dict(train='A'), calls=[['fit', {'duration': d}] for d in ('2ba', '3ba', '2ba')], counter=True
+    ),
+    'pieces_no_spin': dict(
+        trainer=dict(train='A', spin=False), calls=[['fit', {'duration': d}] for d in ('2ba', '3ba', '2ba')]
+    ),
+    'raise_at_epoch_start': dict(
+        trainer=dict(train='A', max_duration='2ep'), calls=[['fit', {}]], raise_at='epoch_start'
+    ),
+    'raise_mid_epoch': dict(trainer=dict(train='A', max_duration='2ep'), calls=[['fit', {}]], raise_at='batch_end'),
+}
+
+UNEVEN = {'A': {'sizes': (16, 16), 'seed': 0}, 'B': {'sizes': (40, 8), 'seed': 10}}
+SCHEDULED: dict[str, dict] = {
+    # a second fit with its own (uneven) loader and a schedule compiled in fit(), the clock going on
+    'step_in_fit': dict(
+        trainer=dict(train='A', max_duration='1ep'),
+        calls=[['fit', {}], ['fit', {'train': 'B', 'duration': '2ep', 'schedule': 'step'}]],
+    ),
+    'cosine_in_fit': dict(
+        trainer=dict(train='A', max_duration='1ep'),
+        calls=[['fit', {}], ['fit', {'train': 'B', 'duration': '2ep', 'schedule': 'cosine'}]],
+    ),
+    # the constructor's schedule over an uneven loader, then a fit in pieces across the epochs
+    'cosine_in_constructor': dict(trainer=dict(train='B', max_duration='2ep', schedule='cosine'), calls=[['fit', {}]]),
+    'pieces_uneven': dict(
+        trainer=dict(train='B', max_duration='2ep', schedule='step'),
+        calls=[['fit', {'duration': d}] for d in ('2ba', '4ba', '4ba')],
+        epochs=2,
+    ),
+}
+
+
+def _scenarios() -> dict[str, dict]:
+    out = {}
+    for name, cfg in DIFFERENTIAL.items():
+        for mode, join in MODES.items():
+            out[f'even:{name}:{mode}'] = dict(cfg, loaders=EVEN, join=join)
+    for name, cfg in SCHEDULED.items():
+        for short in (0, 1):
+            for mode in ('shadow', 'rebalance'):
+                out[f'uneven:{name}:{mode}@short{short}'] = dict(cfg, loaders=UNEVEN, join=MODES[mode], short=short)
+        # the schedule formulas of the replay, checked against stock Composer where its lengths agree
+        even = {'A': UNEVEN['A'], 'B': {'sizes': (40, 40), 'seed': 10}}
+        out[f'validate:{name}'] = dict(cfg, loaders=even, join=None)
+    return out
+
+
+SCENARIOS = _scenarios()
+NAN = {f'nan_loss@empty{e}': {'empty': e, 'samples': 8} for e in (0, 1)}
+
+
+@pytest.fixture(scope='module')
+def runs() -> dict:
+    calls = [(name, 'scenarios_composer_view:sequence', {'cfg': cfg}) for name, cfg in SCENARIOS.items()]
+    calls += [(name, 'scenarios_composer_view:nan_loss', {'cfg': cfg}) for name, cfg in NAN.items()]
+    return launch(2, calls, timeout=600)
+
+
+def ok(runs: dict, name: str) -> list[dict]:
+    errors = [f'rank {r}: {e}' for r, e in enumerate(runs[name]) if isinstance(e, RankError)]
+    assert not errors, f'{name} failed: ' + '; '.join(errors)
+    return runs[name]
+
+
+def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+# -- the differential test on even data ------------------------------------------------------------------------------
+
+_OPENS = {'fit_start', 'eval_start', 'predict_start'}
+_CLOSES_AFTER = {'eval_end', 'predict_end'}  # inside their window; fit_end is outside its own
+
+
+def _inside_windows(records: list[dict]) -> list[bool]:
+    """Per event: whether it is inside a fit's, an evaluation's or a predict()'s window (see the module docstring)."""
+    depth, inside = 0, []
+    for r in records:
+        event = r['event']
+        if event in _OPENS:
+            depth += 1
+        if event == 'fit_end':
+            depth = 0  # (a fit that raised left its window open: the retry's FIT_START opened another)
+        inside.append(depth > 0)
+        if event in _CLOSES_AFTER:
+            depth -= 1
+    return inside
+
+
+@pytest.mark.parametrize('name', list(DIFFERENTIAL))
+@pytest.mark.parametrize('mode', ['shadow', 'rebalance'])
+def test_on_even_data_every_event_reads_what_it_reads_without_unevenjoin(runs, name, mode):
+    for rank, (stock, join) in enumerate(zip(ok(runs, f'even:{name}:stock'), ok(runs, f'even:{name}:{mode}'))):
+        where = f'{name} ({mode}), rank {rank}'
+        assert join['raised'] == stock['raised'], where
+        assert len(join['view']) == len(stock['view']), (
+            f'{where}: {len(join["view"])} events, stock {len(stock["view"])}'
+        )
+        for i, (a, b, inside) in enumerate(zip(stock['view'], join['view'], _inside_windows(join['view']))):
+            assert a['event'] == b['event'], f'{where}: event {i}'
+            difference = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+            if inside and difference.get('dataloader') == (a['dataloader'], f'join:{a["dataloader"]}'):
+                del difference['dataloader']  # the intended difference, inside a window only
+            assert not difference, f'{where}: at event {i} ({a["event"]}) stock read / UnevenJoin read: {difference}'
+        assert join['loader_types'] == stock['loader_types'], where  # the user's dataset, through a DataLoader
+        for got, want in zip(join['results'], stock['results'], strict=True):  # an evaluation's metrics, predict()'s
+            assert got == (want if not isinstance(want, dict) else pytest.approx(want, abs=TOL)), where
+        assert _diff(join['params'], stock['params']) < TOL, where
+        assert join['differences'] == [] and stock['differences'] == [], where
+
+
+# -- uneven data: the agreed clocks, from each fit's first step ------------------------------------------------------
+
+
+def _lr(schedule: Optional[str], at: int, length: int, epochs: int) -> float:
+    """Composer's schedule at batch ``at`` of the clock, with ``length`` batches per epoch and a duration of ``epochs``
+    epochs (the schedules of :func:`scenarios_composer_view._schedule`)."""
+    if schedule == 'step':  # StepScheduler(step_size='1ep', gamma=0.5)
+        return LR * 0.5 ** (at // length)
+    if schedule == 'cosine':  # CosineAnnealingScheduler(t_max='1dur', alpha_f=0.1)
+        return LR * (0.1 + 0.9 * (1 + math.cos(math.pi * at / (length * epochs))) / 2)
+    return LR
+
+
+def _batches(spec: dict, rank: int, short: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    long_n, short_n = spec['sizes']
+    x, y = shard(rank + spec['seed'], short_n if rank == short else long_n)
+    return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(y), BATCH)]
+
+
+def replay(cfg: dict) -> dict[str, Any]:
+    """One process trains what the scenario intends (mode='shadow'): per step the union of the ranks' real batches,
+    the mean gradient times ``A_t / W``, SGD with momentum; the learning rate of step ``b`` (the clock's batch) is the
+    schedule at ``max(b - 1, start)``, ``start`` being the batch at which it was compiled (Composer steps its
+    schedulers after each batch, before the clock moves on). Returns the parameters and every step's learning rate."""
+    torch.manual_seed(0)
+    module = make_module('mlp')
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+    ctor, short, world = cfg['trainer'], cfg.get('short', 1), 2
+    fits, epochs_done = [], 0
+    for kind, arg in cfg['calls']:
+        if kind != 'fit':
+            continue
+        fits.append({'train': ctor['train'] if not fits else fits[-1]['train'], **arg})
+    loader, schedule, start, clock, lrs = ctor['train'], ctor.get('schedule'), 0, 0, []
+    pieces_steps = None
+    if all('duration' in f and f['duration'].endswith('ba') for f in fits):  # a fit in pieces: one run of the epochs
+        pieces_steps = sum(int(f['duration'][:-2]) for f in fits)
+        fits = [dict(train=ctor['train'], epochs=cfg['epochs'])]
+    total_epochs = int(ctor['max_duration'][:-2]) if ctor.get('max_duration') else cfg.get('epochs', 0)
+    for n, fit in enumerate(fits):
+        if n > 0:
+            loader = fit.get('train', loader)
+            if 'schedule' in fit:
+                schedule, start = fit['schedule'], clock
+            total_epochs = epochs_done + int(fit['duration'][:-2])
+        per_rank = [_batches(cfg['loaders'][loader], r, short) for r in range(world)]
+        length = max(len(b) for b in per_rank)
+        epochs = fit.get('epochs', total_epochs - epochs_done)
+        for _ in range(epochs):
+            for t in range(length):
+                if pieces_steps is not None and clock == pieces_steps:
+                    break
+                active = [r for r in range(world) if t < len(per_rank[r])]
+                x = torch.cat([per_rank[r][t][0] for r in active])
+                y = torch.cat([per_rank[r][t][1] for r in active])
+                rate = _lr(schedule, max(clock - 1, start), length, total_epochs)
+                for group in optimizer.param_groups:
+                    group['lr'] = rate
+                lrs.append(rate)
+                optimizer.zero_grad()
+                (per_sample_loss(module, x, y).mean() * len(active) / world).backward()
+                optimizer.step()
+                clock += 1
+            epochs_done += 1
+    return {'params': {k: v.detach().clone() for k, v in module.named_parameters()}, 'lrs': lrs}
+
+
+@pytest.mark.parametrize('name', list(SCHEDULED))
+def test_the_replays_schedules_are_composers(runs, name):
+    """The replay's learning rates and weights equal stock Composer's where every rank has the same length."""
+    cfg = SCENARIOS[f'validate:{name}']
+    ref = replay(cfg)
+    for rank, res in enumerate(ok(runs, f'validate:{name}')):
+        assert res['lrs'] == pytest.approx(ref['lrs'], abs=1e-12), f'{name}: rank {rank}'
+        assert _diff(res['params'], ref['params']) < TOL, f'{name}: rank {rank}'
+
+
+@pytest.mark.parametrize('name', list(SCHEDULED))
+@pytest.mark.parametrize('short', [0, 1])
+def test_on_uneven_data_every_step_uses_the_agreed_schedule_from_the_first(runs, name, short):
+    cfg = SCENARIOS[f'uneven:{name}:shadow@short{short}']
+    ref = replay(cfg)
+    for rank, res in enumerate(ok(runs, f'uneven:{name}:shadow@short{short}')):
+        where = f'{name}, short rank {short}: rank {rank}'
+        assert res['lrs'] == pytest.approx(ref['lrs'], abs=1e-12), where
+        assert res['differences'] == [], f'{where}: clocks differ between ranks: {res["differences"][:2]}'
+        diff = _diff(res['params'], ref['params'])
+        assert diff < TOL, f'{where}: {diff:.2e} from the single-process replay'
+
+
+@pytest.mark.parametrize('name', list(SCHEDULED))
+@pytest.mark.parametrize('short', [0, 1])
+def test_rebalancing_every_rank_reads_the_same_clocks_and_stays_equal(runs, name, short):
+    per_rank = ok(runs, f'uneven:{name}:rebalance@short{short}')
+    for rank, res in enumerate(per_rank):
+        assert res['differences'] == [], f'{name}: rank {rank}: clocks differ: {res["differences"][:2]}'
+        assert res['lrs'] == per_rank[0]['lrs']
+        assert _diff(res['params'], per_rank[0]['params']) == 0.0
+
+
+# -- a stand-in's loss --------------------------------------------------------------------------------------------
+
+
+def _lm_replay(cfg: dict) -> dict[str, Any]:
+    """One process: the rank with data's batches (4 sequences, the first two prompt-only), the mean over their
+    loss-generating tokens, times ``A_t / W`` = 1/2 for the gradient; the loss each step logs is that mean."""
+    module = make_lm()
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+    seqs, logged = lm_shard(1 - cfg['empty'], cfg['samples']), []
+    for i in range(0, len(seqs), 4):
+        batch = lm_batch(seqs[i : i + 4])
+        batch['labels'][:2] = -100
+        loss = lm_token_losses(module, batch).mean()
+        logged.append(float(loss))
+        optimizer.zero_grad()
+        (loss / 2).backward()
+        optimizer.step()
+    return {'logged': logged, 'params': {k: v.detach().clone() for k, v in module.named_parameters()}}
+
+
+@pytest.mark.parametrize('name', list(NAN))
+def test_a_stand_ins_loss_reaches_no_log_and_no_nan_monitor(runs, name):
+    ref = _lm_replay(NAN[name])
+    for rank, res in enumerate(ok(runs, name)):
+        assert res['finite'], f'{name}: rank {rank} logged {res["logged"]}'
+        assert res['logged'] == pytest.approx(ref['logged'], abs=TOL), f'{name}: rank {rank}'
+        assert _diff(res['params'], ref['params']) < TOL, f'{name}: rank {rank}'

@@ -32,10 +32,15 @@ BATCH = 8
 LR, MOMENTUM = 0.1, 0.9
 
 
-def loader(spec: dict, rank: int, short: int = 1) -> DataLoader:
-    """This rank's loader of ``spec`` (``sizes``: the long rank's and the short rank's samples, ``seed``)."""
-    long_n, short_n = spec['sizes']
-    x, y = shard(rank + spec['seed'], short_n if rank == short else long_n)
+def size(spec: dict, rank: int, rot: int = 0) -> int:
+    """Rank ``rank``'s samples of ``spec`` (``sizes``: one per rank, rotated by ``rot`` so that each rank is short)."""
+    sizes = spec['sizes']
+    return sizes[(rank + rot) % len(sizes)]
+
+
+def loader(spec: dict, rank: int, rot: int = 0) -> DataLoader:
+    """This rank's loader of ``spec`` (its :func:`size`, ``seed``)."""
+    x, y = shard(rank + spec['seed'], size(spec, rank, rot))
     return DataLoader(ShardWithLen(x, y), batch_size=BATCH, collate_fn=_collate)
 
 
@@ -136,15 +141,15 @@ def _schedule(name: Optional[str]) -> Any:
 def sequence(cfg: dict) -> dict[str, Any]:
     """Run ``cfg['calls']`` on one trainer (see the module docstring) and return what each rank saw.
 
-    ``cfg``: ``join`` (UnevenJoin's kwargs, or None for stock Composer), ``short`` (the short rank), ``loaders``
+    ``cfg``: ``join`` (UnevenJoin's kwargs, or None for stock Composer), ``rot`` (the sizes' rotation), ``loaders``
     (name -> spec), ``trainer`` (the constructor's ``train`` and ``eval`` loader names, ``max_duration``,
     ``schedule``, ``spin``), ``counter`` (a :class:`~composer_join.CollectiveCounter` among the callbacks), ``calls``
     (``['fit', kwargs]``, ``['eval', name]``, ``['predict', name]``; a fit's
     ``train`` and ``schedule`` name a loader and a schedule), ``raise_at`` (an event at which a callback raises once;
     the call it raises in is run again).
     """
-    rank, short = dist.get_global_rank(), cfg.get('short', 1)
-    loaders = {name: loader(spec, rank, short) for name, spec in cfg['loaders'].items()}
+    rank, rot = dist.get_global_rank(), cfg.get('rot', 0)
+    loaders = {name: loader(spec, rank, rot) for name, spec in cfg['loaders'].items()}
     names = {id(dl): name for name, dl in loaders.items()}
     view, clocks, checks = View(names), Clocks(), ChecksLoaderType()
     algorithms: list[Any] = [checks]

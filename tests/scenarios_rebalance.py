@@ -63,6 +63,7 @@ class Trained(Callback):
                 'first_x': x[0].cpu().clone() if len(y) else None,
                 'ids': [int(i) for i in batch[2]] if isinstance(batch, (tuple, list)) and len(batch) == 3 else None,
                 'text': list(batch['text']) if isinstance(batch, dict) and 'text' in batch else None,
+                'dataloader_len': None if state.dataloader_len is None else int(state.dataloader_len),
             }
         )
 
@@ -115,7 +116,8 @@ def train(cfg: dict) -> dict[str, Any]:
         logging.getLogger('composer_join').removeHandler(lines)
     return {
         **fit_result(error, model, trainer, join, trained, lines),
-        'dataloader_len': None if trainer.state.dataloader_len is None else int(trainer.state.dataloader_len),
+        # as callbacks read it during the fit (afterwards Composer's own, for this rank's loader, as without UnevenJoin)
+        'dataloader_len': trained.steps[-1]['dataloader_len'] if trained.steps else None,
         'logged': {k: [v for _, v in vals] for k, vals in memory.data.items() if k.startswith('uneven_join/')},
     }
 

@@ -25,6 +25,8 @@ type check: ``TypeError``; pieces without spinning: ``UnevenInputsError: rank(s)
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -38,10 +40,10 @@ BATCH, LR, MOMENTUM = 8, 0.1, 0.9
 MODES = {'stock': None, 'shadow': {}, 'rebalance': {'mode': 'rebalance'}}
 
 EVEN = {
-    'A': {'sizes': (24, 24), 'seed': 0},
-    'B': {'sizes': (16, 16), 'seed': 10},
-    'E': {'sizes': (12, 12), 'seed': 20},
-    'P': {'sizes': (10, 10), 'seed': 30},
+    'A': {'sizes': (24, 24, 24), 'seed': 0},
+    'B': {'sizes': (16, 16, 16), 'seed': 10},
+    'E': {'sizes': (12, 12, 12), 'seed': 20},
+    'P': {'sizes': (10, 10, 10), 'seed': 30},
 }
 DIFFERENTIAL: dict[str, dict] = {
     'train_eval_predict': dict(
@@ -68,7 +70,11 @@ DIFFERENTIAL: dict[str, dict] = {
     'raise_mid_epoch': dict(trainer=dict(train='A', max_duration='2ep'), calls=[['fit', {}]], raise_at='batch_end'),
 }
 
-UNEVEN = {'A': {'sizes': (16, 16), 'seed': 0}, 'B': {'sizes': (40, 8), 'seed': 10}}
+# per world size: the constructor's even loader, the uneven one (every rank short once, by rotation)
+UNEVEN = {
+    2: {'A': {'sizes': (16, 16), 'seed': 0}, 'B': {'sizes': (40, 8), 'seed': 10}},
+    3: {'A': {'sizes': (16, 16, 16), 'seed': 0}, 'B': {'sizes': (40, 24, 8), 'seed': 10}},
+}
 SCHEDULED: dict[str, dict] = {
     # a second fit with its own (uneven) loader and a schedule compiled in fit(), the clock going on
     'step_in_fit': dict(
@@ -89,30 +95,38 @@ SCHEDULED: dict[str, dict] = {
 }
 
 
-def _scenarios() -> dict[str, dict]:
+def _scenarios(world: int) -> dict[str, dict]:
     out = {}
     for name, cfg in DIFFERENTIAL.items():
         for mode, join in MODES.items():
-            out[f'even:{name}:{mode}'] = dict(cfg, loaders=EVEN, join=join)
+            out[f'{world}:even:{name}:{mode}'] = dict(cfg, loaders=EVEN, join=join)
+    uneven = UNEVEN[world]
     for name, cfg in SCHEDULED.items():
-        for short in (0, 1):
+        for rot in range(world):
             for mode in ('shadow', 'rebalance'):
-                out[f'uneven:{name}:{mode}@short{short}'] = dict(cfg, loaders=UNEVEN, join=MODES[mode], short=short)
+                out[f'{world}:uneven:{name}:{mode}@rot{rot}'] = dict(cfg, loaders=uneven, join=MODES[mode], rot=rot)
         # the schedule formulas of the replay, checked against stock Composer where its lengths agree
-        even = {'A': UNEVEN['A'], 'B': {'sizes': (40, 40), 'seed': 10}}
-        out[f'validate:{name}'] = dict(cfg, loaders=even, join=None)
+        even = {'A': uneven['A'], 'B': {'sizes': (40,) * world, 'seed': 10}}
+        out[f'{world}:validate:{name}'] = dict(cfg, loaders=even, join=None)
     return out
 
 
-SCENARIOS = _scenarios()
+SCENARIOS = {**_scenarios(2), **_scenarios(3)}
+WORLDS = (2, 3)
 NAN = {f'nan_loss@empty{e}': {'empty': e, 'samples': 8} for e in (0, 1)}
 
 
 @pytest.fixture(scope='module')
 def runs() -> dict:
-    calls = [(name, 'scenarios_composer_view:sequence', {'cfg': cfg}) for name, cfg in SCENARIOS.items()]
-    calls += [(name, 'scenarios_composer_view:nan_loss', {'cfg': cfg}) for name, cfg in NAN.items()]
-    return launch(2, calls, timeout=600)
+    out = {}
+    for world in WORLDS:
+        calls = [
+            (n, 'scenarios_composer_view:sequence', {'cfg': c}) for n, c in SCENARIOS.items() if n[0] == str(world)
+        ]
+        if world == 2:
+            calls += [(name, 'scenarios_composer_view:nan_loss', {'cfg': cfg}) for name, cfg in NAN.items()]
+        out.update(launch(world, calls, timeout=600))
+    return out
 
 
 def ok(runs: dict, name: str) -> list[dict]:
@@ -146,11 +160,13 @@ def _inside_windows(records: list[dict]) -> list[bool]:
     return inside
 
 
+@pytest.mark.parametrize('world', WORLDS)
 @pytest.mark.parametrize('name', list(DIFFERENTIAL))
 @pytest.mark.parametrize('mode', ['shadow', 'rebalance'])
-def test_on_even_data_every_event_reads_what_it_reads_without_unevenjoin(runs, name, mode):
-    for rank, (stock, join) in enumerate(zip(ok(runs, f'even:{name}:stock'), ok(runs, f'even:{name}:{mode}'))):
-        where = f'{name} ({mode}), rank {rank}'
+def test_on_even_data_every_event_reads_what_it_reads_without_unevenjoin(runs, name, mode, world):
+    stock_runs, join_runs = ok(runs, f'{world}:even:{name}:stock'), ok(runs, f'{world}:even:{name}:{mode}')
+    for rank, (stock, join) in enumerate(zip(stock_runs, join_runs)):
+        where = f'{name} ({mode}, {world} ranks), rank {rank}'
         assert join['raised'] == stock['raised'], where
         assert len(join['view']) == len(stock['view']), (
             f'{where}: {len(join["view"])} events, stock {len(stock["view"])}'
@@ -181,9 +197,9 @@ def _lr(schedule: Optional[str], at: int, length: int, epochs: int) -> float:
     return LR
 
 
-def _batches(spec: dict, rank: int, short: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    long_n, short_n = spec['sizes']
-    x, y = shard(rank + spec['seed'], short_n if rank == short else long_n)
+def _batches(spec: dict, rank: int, rot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    sizes = spec['sizes']
+    x, y = shard(rank + spec['seed'], sizes[(rank + rot) % len(sizes)])
     return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(y), BATCH)]
 
 
@@ -195,7 +211,8 @@ def replay(cfg: dict) -> dict[str, Any]:
     torch.manual_seed(0)
     module = make_module('mlp')
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
-    ctor, short, world = cfg['trainer'], cfg.get('short', 1), 2
+    ctor, rot = cfg['trainer'], cfg.get('rot', 0)
+    world = len(cfg['loaders'][ctor['train']]['sizes'])
     fits, epochs_done = [], 0
     for kind, arg in cfg['calls']:
         if kind != 'fit':
@@ -213,7 +230,7 @@ def replay(cfg: dict) -> dict[str, Any]:
             if 'schedule' in fit:
                 schedule, start = fit['schedule'], clock
             total_epochs = epochs_done + int(fit['duration'][:-2])
-        per_rank = [_batches(cfg['loaders'][loader], r, short) for r in range(world)]
+        per_rank = [_batches(cfg['loaders'][loader], r, rot) for r in range(world)]
         length = max(len(b) for b in per_rank)
         epochs = fit.get('epochs', total_epochs - epochs_done)
         for _ in range(epochs):
@@ -235,23 +252,27 @@ def replay(cfg: dict) -> dict[str, Any]:
     return {'params': {k: v.detach().clone() for k, v in module.named_parameters()}, 'lrs': lrs}
 
 
+@pytest.mark.parametrize('world', WORLDS)
 @pytest.mark.parametrize('name', list(SCHEDULED))
-def test_the_replays_schedules_are_composers(runs, name):
+def test_the_replays_schedules_are_composers(runs, name, world):
     """The replay's learning rates and weights equal stock Composer's where every rank has the same length."""
-    cfg = SCENARIOS[f'validate:{name}']
+    cfg = SCENARIOS[f'{world}:validate:{name}']
     ref = replay(cfg)
-    for rank, res in enumerate(ok(runs, f'validate:{name}')):
+    for rank, res in enumerate(ok(runs, f'{world}:validate:{name}')):
         assert res['lrs'] == pytest.approx(ref['lrs'], abs=1e-12), f'{name}: rank {rank}'
         assert _diff(res['params'], ref['params']) < TOL, f'{name}: rank {rank}'
 
 
+ROTATED = [(world, rot) for world in WORLDS for rot in range(world)]
+
+
 @pytest.mark.parametrize('name', list(SCHEDULED))
-@pytest.mark.parametrize('short', [0, 1])
-def test_on_uneven_data_every_step_uses_the_agreed_schedule_from_the_first(runs, name, short):
-    cfg = SCENARIOS[f'uneven:{name}:shadow@short{short}']
+@pytest.mark.parametrize(('world', 'rot'), ROTATED)
+def test_on_uneven_data_every_step_uses_the_agreed_schedule_from_the_first(runs, name, world, rot):
+    cfg = SCENARIOS[f'{world}:uneven:{name}:shadow@rot{rot}']
     ref = replay(cfg)
-    for rank, res in enumerate(ok(runs, f'uneven:{name}:shadow@short{short}')):
-        where = f'{name}, short rank {short}: rank {rank}'
+    for rank, res in enumerate(ok(runs, f'{world}:uneven:{name}:shadow@rot{rot}')):
+        where = f'{name}, {world} ranks, rotated {rot}: rank {rank}'
         assert res['lrs'] == pytest.approx(ref['lrs'], abs=1e-12), where
         assert res['differences'] == [], f'{where}: clocks differ between ranks: {res["differences"][:2]}'
         diff = _diff(res['params'], ref['params'])
@@ -259,9 +280,9 @@ def test_on_uneven_data_every_step_uses_the_agreed_schedule_from_the_first(runs,
 
 
 @pytest.mark.parametrize('name', list(SCHEDULED))
-@pytest.mark.parametrize('short', [0, 1])
-def test_rebalancing_every_rank_reads_the_same_clocks_and_stays_equal(runs, name, short):
-    per_rank = ok(runs, f'uneven:{name}:rebalance@short{short}')
+@pytest.mark.parametrize(('world', 'rot'), ROTATED)
+def test_rebalancing_every_rank_reads_the_same_clocks_and_stays_equal(runs, name, world, rot):
+    per_rank = ok(runs, f'{world}:uneven:{name}:rebalance@rot{rot}')
     for rank, res in enumerate(per_rank):
         assert res['differences'] == [], f'{name}: rank {rank}: clocks differ: {res["differences"][:2]}'
         assert res['lrs'] == per_rank[0]['lrs']
@@ -295,3 +316,28 @@ def test_a_stand_ins_loss_reaches_no_log_and_no_nan_monitor(runs, name):
         assert res['finite'], f'{name}: rank {rank} logged {res["logged"]}'
         assert res['logged'] == pytest.approx(ref['logged'], abs=TOL), f'{name}: rank {rank}'
         assert _diff(res['params'], ref['params']) < TOL, f'{name}: rank {rank}'
+
+
+# -- the docs' list of changes to objects UnevenJoin does not own -------------------------------------------------
+
+ROOT = Path(__file__).parent.parent
+# a change to another's object: through a register of changes, or by hand where it is undone at once or never
+_CHANGE = re.compile(
+    r'\b(changes|stand_ins)\.(set|call|hook|remove_from)\(|\bsetattr\(|\bcompat\.(set_\w+|dataloader_cap_off)\('
+    r'|\.set_dataloader\(|serialized_attributes\.(remove|append)\('
+)
+_IMPLEMENTS = {'core/changes.py', 'core/compat.py'}  # the register itself, and the private names' one place
+
+
+def test_every_module_that_changes_anothers_object_is_in_the_docs_list_and_only_those():
+    text = (ROOT / 'docs' / 'how-it-works.md').read_text()
+    section = text.split('Every change UnevenJoin makes to an object it does not own', 1)[1]
+    listed = {m for row in section.splitlines() if row.startswith('|') for m in re.findall(r'`([\w/]+\.py)`', row)}
+    changing = set()
+    for path in (ROOT / 'composer_join').rglob('*.py'):
+        module = path.relative_to(ROOT / 'composer_join').as_posix()
+        code = [line for line in path.read_text().splitlines() if not line.lstrip().startswith(('#', '>>>', '...'))]
+        if module not in _IMPLEMENTS and any(_CHANGE.search(line) for line in code):
+            changing.add(module)
+    assert changing - listed == set(), f'changes made in modules the docs do not list: {sorted(changing - listed)}'
+    assert listed - changing == set(), f'modules the docs list that change nothing: {sorted(listed - changing)}'

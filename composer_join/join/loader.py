@@ -198,11 +198,19 @@ def join_dataloader(
 
 class JoinDataLoader(JoinLoader, DataLoader):  # type: ignore[misc]  # JoinLoader.__iter__: a generator
     """The :class:`JoinLoader` over a user's ``DataLoader``, and a ``DataLoader`` to whoever checks the type:
-    Composer's RandAugment, AugMix and ColOut (``isinstance(state.dataloader, DataLoader)`` at ``FIT_START``), and
-    Composer's own loops, which then find the user's sampler through it, as they would in the user's loader. Built
-    without ``DataLoader.__init__``: every attribute it does not have itself is the user's dataloader's
-    (:meth:`JoinLoader.__getattr__`), and it iterates as a :class:`JoinLoader` only. A loader over anything else is a
-    plain :class:`JoinLoader` (Composer looks for a sampler only in a ``DataLoader``)."""
+    Composer's RandAugment, AugMix and ColOut check ``isinstance(state.dataloader, DataLoader)`` at ``FIT_START`` and
+    reach the user's dataset through it. Built without ``DataLoader.__init__``: every attribute it does not have
+    itself is the user's dataloader's (:meth:`JoinLoader.__getattr__`), and it iterates as a :class:`JoinLoader` only.
+
+    Its own ``sampler`` and ``batch_sampler`` are None, so Composer's loops, which look for a ``DistributedSampler``
+    in a ``DataLoader``, find none in it, exactly as in a plain :class:`JoinLoader`: UnevenJoin reshuffles the user's
+    sampler itself, and decides from agreed facts where an evaluation's repeated samples are left to Composer;
+    Composer's own per-batch handling of a ``DistributedSampler`` (an all-reduce per evaluation batch) would run on
+    the ranks whose sampler is one and not on the others. A loader over anything else is a plain :class:`JoinLoader`.
+    """
+
+    sampler = None  # type: ignore[assignment]  # (none of its own: see above)
+    batch_sampler = None
 
 
 def batch_source(

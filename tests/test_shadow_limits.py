@@ -64,8 +64,11 @@ STOPS = {  # every rank stops with UnevenInputsError, the message names this
         'zero samples',
     ),
 }
-STOCK = {f'stock_{name}': {**cfg, 'stock': True} for name, cfg in RUNS.items() if '@1' not in name}
-STOCK.update({f'stock_{name}': {**cfg, 'stock': True} for name, (cfg, _) in STOPS.items() if '@1' not in name})
+STOCK = {  # stock Composer where it runs (it stops at the shortest rank); measured apart where it fails (docs/limits.md)
+    f'stock_{name}': {**RUNS[name], 'stock': True}
+    for name in ('sparse', 'sparse_mb2', 'static_multi_even', 'zero_accepts')
+}
+STOCK['stock_zero_refuses'] = {**STOPS['zero_refuses'][0], 'stock': True}
 
 
 @pytest.fixture(scope='module')

@@ -81,9 +81,11 @@ __all__ = [
     'set_default_passes',
     'set_last_lr',
     'set_update_count',
+    'sparse_grad_params',
     'sparse_params',
     'spins_dataloaders',
     'stand_in_unsupported',
+    'static_graph_first_pending',
     'sync_buffers_around_forward',
     'train_data_spec',
     'update_count',
@@ -188,7 +190,16 @@ def params_for_reducer(ddp: Any) -> list[Any]:
 
 def sparse_params(ddp: Any) -> bool:
     """Whether some module of ``ddp`` produces sparse gradients."""
-    return any(private(ddp, '_build_params_for_reducer', 'torch')()[1])
+    return bool(sparse_grad_params(ddp))
+
+
+def sparse_grad_params(ddp: Any) -> list[Any]:
+    """The parameters of ``ddp`` whose gradients are sparse (an ``nn.Embedding(sparse=True)``'s weight), as DDP finds
+    them."""
+    if not _has(ddp, '_build_params_for_reducer'):  # another torch: the template way without this refinement
+        return []
+    params, sparse = private(ddp, '_build_params_for_reducer', 'torch')()
+    return [p for p, is_sparse in zip(params, sparse) if is_sparse]
 
 
 def rebuild_buckets(ddp: Any) -> None:
@@ -214,6 +225,12 @@ def local_used_map(ddp: Any) -> Any:
 def push_rebuilt_params(ddp: Any) -> None:
     """Tell the reducer its buckets were rebuilt as a backward would."""
     private(ddp.reducer, '_push_all_rebuilt_params', 'torch')()
+
+
+def static_graph_first_pending(ddp: Any) -> bool:
+    """Whether a ``static_graph`` DDP has not run its first synced backward yet (torch's
+    ``_static_graph_delay_allreduce_enqueued``, set by that backward); False if the name is missing."""
+    return getattr(ddp, '_static_graph_delay_allreduce_enqueued', True) is False
 
 
 def reset_reducer(ddp: Any) -> None:

@@ -29,7 +29,7 @@ from composer.utils import dist
 from composer_join.core.batches import map_tensors
 from composer_join.core.changes import Changes
 
-__all__ = ['UnusedParameters', 'reached_leaves', 'scale_grad', 'share_grad_presence']
+__all__ = ['UnusedParameters', 'no_sparse_rows', 'reached_leaves', 'scale_grad', 'share_grad_presence']
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -52,6 +52,41 @@ def scale_grad(loss: Any, factor: float) -> Any:
     Cost: one scalar clone per loss tensor, and one multiplication in the backward pass.
     """
     return map_tensors(lambda t: _ScaleGrad.apply(t, factor) if t.requires_grad else t, loss)
+
+
+def _without_rows(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` if dense; if sparse, an empty sparse tensor of its shape, dtype and device (no row at all)."""
+    if not grad.is_sparse:
+        return grad
+    dims = grad.sparse_dim()
+    indices = torch.empty((dims, 0), dtype=torch.long, device=grad.device)
+    values = torch.empty((0, *grad.shape[dims:]), dtype=grad.dtype, device=grad.device)
+    return torch.sparse_coo_tensor(indices, values, grad.shape)
+
+
+def no_sparse_rows(params: Sequence[torch.Tensor], changes: Changes) -> None:
+    """Until ``changes`` is undone, a sparse gradient a backward gives any of ``params`` holds no row.
+
+    For a shadow microbatch that runs the model (on the template's two samples, gradient weight zero): an
+    ``nn.Embedding(sparse=True)`` would otherwise give its weight a sparse gradient holding the template's rows with
+    value 0, DDP's all-reduce of sparse gradients would put those rows in every rank's reduced gradient, and
+    ``torch.optim.SparseAdam`` moves every row present (its moments update on any row in the gradient, whatever its
+    value). With an empty sparse gradient from the stand-in, the reduced gradient (the sum over ranks) holds exactly
+    the rows the real samples gave, the same on every rank. Dense gradients pass unchanged. Cost: one hook per sparse
+    parameter, made and removed per shadow microbatch; no collective.
+
+    Example:
+        >>> import torch
+        >>> from composer_join.core.changes import Changes
+        >>> emb, changes = torch.nn.Embedding(5, 2, sparse=True), Changes()
+        >>> no_sparse_rows([emb.weight], changes)
+        >>> emb(torch.tensor([1, 3])).sum().mul(0).backward()
+        >>> emb.weight.grad.coalesce().indices().numel()
+        0
+        >>> changes.undo()
+    """
+    for p in params:
+        changes.hook(p.register_hook(_without_rows))
 
 
 def share_grad_presence(

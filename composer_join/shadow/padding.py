@@ -78,6 +78,7 @@ class MicrobatchPadding:
         self.count = count  # the DataSpec's get_num_samples_in_batch (None: Composer's default)
         self.failures = failures  # if a list, errors go there, to be raised on every rank at once
         self.last_count = 0  # microbatches of the last split, padding included
+        self.uneven = False  # ranks split the last step into different counts (the same on every rank once padded)
 
     @classmethod
     def install(cls, spec: DataSpec, changes: Changes, *args: Any, **kwargs: Any) -> MicrobatchPadding:
@@ -93,17 +94,20 @@ class MicrobatchPadding:
     def __call__(self, batch: Any, microbatch_size: Any) -> list:
         microbatches = list(self.split(batch, microbatch_size))
         self.last_count = len(microbatches)
+        self.uneven = False
         plan = self.plan()
         if plan is None or not plan.active_ranks or not (self.pad or self.needed()):
             return microbatches
         counts = [s.microbatches for s in plan.statuses]  # for the microbatch size in force (StepPlan.recounted)
         if 0 in counts:
             # Not all counts are known (a step planned from the lengths alone, or batches Composer's
-            # default DataSpec cannot count): every rank is here, so agree on them now (one all-reduce).
-            mine = self.to_device(torch.tensor([len(microbatches)]))
+            # default DataSpec cannot count): every rank is here, so agree on them now (one all-reduce of
+            # the largest count and of the smallest, negated).
+            mine = self.to_device(torch.tensor([len(microbatches), -len(microbatches)]))
             dist.all_reduce(mine, reduce_operation='MAX')
-            counts = [int(mine.item())]
+            counts = [int(mine[0].item()), -int(mine[1].item())]
         target = max(counts)
+        self.uneven = min(counts) != target
         if self.checks is not None:
             self.checks.own, self.checks.target = target if self.pad else len(microbatches), target
         if len(microbatches) > target:

@@ -40,6 +40,7 @@ from composer_join.core.batches import map_tensors
 from composer_join.core.changes import Changes
 
 __all__ = [
+    'COLLECTIVES',
     'DDPShadow',
     'ForwardProbe',
     'LossShape',
@@ -73,7 +74,7 @@ def skippable(ddp: DistributedDataParallel) -> Optional[str]:
     return None
 
 
-_COLLECTIVES = (
+COLLECTIVES = (
     'all_reduce',
     'all_gather',
     'all_gather_into_tensor',
@@ -87,6 +88,8 @@ _COLLECTIVES = (
     'scatter',
     'barrier',
 )
+"""The ``torch.distributed`` functions that issue collectives, as a forward calls them (:class:`ForwardProbe` watches
+them; :func:`~composer_join.shadow.zero_samples.zero_sample_error` quiets them)."""
 
 
 class ForwardProbe:
@@ -119,7 +122,7 @@ class ForwardProbe:
             self.found = []
         import torch.distributed as tdist
 
-        for name in _COLLECTIVES:
+        for name in COLLECTIVES:
             original = getattr(tdist, name, None)
             if original is None:
                 continue

@@ -33,10 +33,11 @@ from torch.nn.parallel import DistributedDataParallel
 from composer_join.core import compat
 from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
+from composer_join.core.exchange import TorchExchange
 from composer_join.core.plan import StepPlan
 from composer_join.interop.oom import OOMChecks
 from composer_join.shadow.buffers import BufferGuard
-from composer_join.shadow.gradients import UnusedParameters, share_grad_presence
+from composer_join.shadow.gradients import UnusedParameters, no_sparse_rows, share_grad_presence
 from composer_join.shadow.padding import MicrobatchPadding
 from composer_join.shadow.shadow import (
     DDPShadow,
@@ -46,6 +47,8 @@ from composer_join.shadow.shadow import (
     forward_communicates,
     skippable,
 )
+from composer_join.shadow.zero_samples import ZeroSampleCheck
+from composer_join.wrappers import static_graph
 from composer_join.wrappers.wrapper import Microbatch, Wrapper
 
 __all__ = [
@@ -125,6 +128,7 @@ class MicrobatchSync:
         self.manual = False  # this is the last microbatch and Composer syncs by hand after it
         self.last = False  # this is this rank's last microbatch of the step (its samples counted)
         self.padded = padded  # every rank runs this many microbatches (padding): Composer's own syncs match
+        self.follow = False  # this step follows Composer's strategy exactly (DDP's first static-graph iteration)
 
     @staticmethod
     def needed(strategy: Optional[str], ddp: DistributedDataParallel, plan: StepPlan) -> bool:
@@ -137,10 +141,13 @@ class MicrobatchSync:
             return not plan.even_microbatches
         return strategy == 'forced_sync' and ddp.find_unused_parameters
 
-    def start_step(self) -> None:
+    def start_step(self, follow: bool = False) -> None:
+        """A new step; ``follow``: every rank splits it alike and sync must stay as Composer's strategy has it
+        (:func:`~composer_join.wrappers.static_graph.first_iteration_syncs`)."""
         self.seen = 0
         self.index = 0
         self.manual = self.last = False
+        self.follow = follow
 
     def before_forward(
         self, ddp: DistributedDataParallel, plan: StepPlan, rank: int, samples: int, stand_ins: Changes
@@ -154,7 +161,7 @@ class MicrobatchSync:
             self.manual = self.last and not ddp.require_backward_grad_sync
             return
         final = self.last = 0 <= mine <= self.seen
-        if ddp.require_backward_grad_sync and not final and not plan.even_microbatches:
+        if ddp.require_backward_grad_sync and not final and not plan.even_microbatches and not self.follow:
             stand_ins.set(ddp, 'require_backward_grad_sync', False)  # on again when the microbatch exits
         self.manual = final and not ddp.require_backward_grad_sync
 
@@ -211,15 +218,19 @@ class ShadowWay:
     probes = False  # a forward that communicates must be found (no forward runs: it would not be matched)
     runs_model = True  # its shadow microbatches run the model (their zero-weighted loss reaches parameters)
 
-    def __init__(self, loss_shape: Optional[LossShape] = None):
+    def __init__(self, loss_shape: Optional[LossShape] = None, sparse: Sequence[torch.Tensor] = ()):
         self.loss_shape = loss_shape or LossShape()  # the structure of the model's loss, for stand-in losses
+        self.sparse = list(sparse)  # parameters with sparse gradients: a shadow microbatch gives them no row
 
     def current(self) -> ShadowWay:
         """The way the next shadow microbatch runs (this one, unless it cannot yet)."""
         return self
 
     def begin(self, state: State, stand_ins: Changes) -> None:
-        """``BEFORE_FORWARD`` of a shadow microbatch: its stand-ins, through ``stand_ins``."""
+        """``BEFORE_FORWARD`` of a shadow microbatch: its stand-ins, through ``stand_ins``; a model with sparse
+        gradients gets an empty one from it (:func:`~composer_join.shadow.gradients.no_sparse_rows`)."""
+        if self.sparse:
+            no_sparse_rows(self.sparse, stand_ins)
 
     def after_retry(self) -> ShadowWay:
         """The way to use after a step Composer retried (automatic microbatching)."""
@@ -237,6 +248,7 @@ class ZeroSamples(ShadowWay):
     pads = True
 
     def begin(self, state: State, stand_ins: Changes) -> None:
+        super().begin(state, stand_ins)
         stand_ins.set(state.model.module, 'loss', lambda outputs, batch: connected_zero_loss(self.loss_shape, outputs))
 
 
@@ -280,7 +292,8 @@ def shadow_way(ddp: DistributedDataParallel) -> ShadowWay:
     name = way_name(ddp)
     if name == NoModelCode.name:
         return NoModelCode(DDPShadow(ddp, ddp.module, ddp.device))
-    return ZeroSamples() if name == ZeroSamples.name else ShadowWay()
+    sparse = compat.sparse_grad_params(ddp)
+    return ZeroSamples(sparse=sparse) if name == ZeroSamples.name else ShadowWay(sparse=sparse)
 
 
 class DDPWrapper(Wrapper):
@@ -312,6 +325,7 @@ class DDPWrapper(Wrapper):
         self.probe: Optional[ForwardProbe] = None
         self.unused = UnusedParameters([])  # on steps with a shadowing rank: no gradient where no real sample was
         self.strategy: Optional[str] = None  # Composer's ddp_sync_strategy (None: not known)
+        self.zero = ZeroSampleCheck()  # the 'zero' way: whether every rank's model takes zero samples
 
     def state_dict(self) -> dict[str, Any]:
         return {'buffer_source': self.source.rank}
@@ -338,6 +352,7 @@ class DDPWrapper(Wrapper):
             self.guard = BufferGuard(ddp.module, keep=lambda m: keep and isinstance(m, torch.nn.SyncBatchNorm))
         if self.probe is not None:
             self.probe.armed, self.probe.found = True, []
+        self.zero.reset()
         self.strategy = compat.ddp_sync_strategy(state)
 
     def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]], train: bool) -> None:
@@ -376,6 +391,7 @@ class DDPWrapper(Wrapper):
             or self.way.pads
             or not self.way.loss_shape.known
             or MicrobatchSync.needed(self.strategy, self.hooked, plan)
+            or static_graph.pending(self.hooked)
         )
 
     def begin_step(self, state: State, plan: StepPlan) -> None:
@@ -384,7 +400,10 @@ class DDPWrapper(Wrapper):
             disarm_after_retry(state.model)
             self.way = self.way.after_retry()
         self.last_step = step
-        self.sync.start_step()
+        follow = static_graph.pending(state.model) and static_graph.first_iteration_syncs(
+            plan, self.rank, self.strategy, TorchExchange(state.device.tensor_to_device)
+        )
+        self.sync.start_step(follow)
         self.unused.start_step()
         self.oom.start_step()
         if self.guard is not None and self.guard.armed:  # a retry after an OOM in a shadow microbatch
@@ -425,6 +444,10 @@ class DDPMicrobatch(Microbatch):
 
     def __enter__(self) -> DDPMicrobatch:
         w, plan = self.wrapper, self.plan
+        if w.way.pads:  # the forward runs on zero samples where some rank shadows or pads: every rank takes them?
+            w.zero.check(self.state.model.module, self.state.batch, TorchExchange(self.state.device.tensor_to_device))
+            padded = w.padding is not None and w.padding.uneven
+            w.zero.raise_if_needed(plan, bool(plan.joined_ranks) or padded)
         w.sync.before_forward(self.state.model, plan, w.rank, self.samples, self.stand_ins)
         if w.probe is not None and w.probe.found and plan.joined_ranks:
             raise w.communicating_forward(plan)

@@ -66,6 +66,7 @@ def _compare(where: str, got: dict, want: dict) -> float:
     else:
         diffs = [_diff(got['Tokens'], want['Tokens']), abs(got['MeanLoss'] - want['MeanLoss'])]
     assert max(diffs) < TOL, f'{where}: {max(diffs):.2e} from the reference'
+    print(f'{where}: max |diff| {max(diffs):.1e}')
     return max(diffs)
 
 

@@ -1,7 +1,8 @@
 """``UnevenJoin``: the Composer algorithm that lets ranks with less data join instead of stopping everyone.
 
 The class only routes Composer's events (its table, :data:`ROUTES`) to a
-:class:`~composer_join.join.session.Run`, made at the trainer's first active start event, and its sessions: a fit's
+:class:`~composer_join.join.session.Run`, made at the trainer's first active start event (one per trainer, found by
+the ``State`` the event comes with: :class:`~composer_join.join.runs.Runs`), and its sessions: a fit's
 (:class:`~composer_join.join.fit.FitSession`) and an evaluation's or ``predict()``'s
 (:class:`~composer_join.join.evaluation.EvalSession`), which do the work through the pieces beneath them.
 ``match`` asks the run (:meth:`~composer_join.join.session.Run.wants`): on a training step where no rank shadows,
@@ -161,6 +162,9 @@ class UnevenJoin(Algorithm):
         )
         trainer.fit()
         print(trainer.state.algorithms[0].reports[-1].summary())  # what each rank trained
+
+    One object may be given to several Trainers (a sweep, a notebook): each gets a run of its own, found by its
+    ``State`` (its reports: :meth:`reports_of`; its checkpoint entry; kept while this object lives).
 
     Args:
         divide_by_initial_world_size: as in ``DistributedDataParallel.join``: if True (default)

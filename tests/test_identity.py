@@ -24,6 +24,7 @@ the single-process reference :func:`toy_seq.reference` (which does not import co
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -132,3 +133,24 @@ def test_the_stock_column(runs):
             0,
         ]  # A: 8 of 14, B: 6 of 11, B0: 0 of 9
         assert res['results'][2]['Tokens'].shape[0] == 7  # X: 7 of 12 samples evaluated
+
+
+def test_a_checkpoint_goes_to_the_trainer_whose_state_loads_it():
+    """:class:`composer_join.join.runs.Runs` alone (no ranks): a checkpoint loaded by one Trainer's ``State`` waits for
+    that Trainer's first start, never goes to another Trainer's run; saved entries are per ``State``."""
+    from composer_join.data.resume import restore
+    from composer_join.join.runs import Runs
+
+    first, second, run = object(), object(), SimpleNamespace(reports=['first epoch'])
+    runs = Runs()
+    runs.add(first, run, None)  # the first Trainer started (active)
+    resumed = restore({'reports': []})
+    assert runs.load(second, resumed) is None  # the second Trainer's checkpoint: not the first's run
+    assert runs.saved_by(first) == (run, None) and runs.reports(first) == ['first epoch']
+    assert runs.take_pending(first) is None  # the first Trainer does not take it
+    assert runs.saved_by(second) == (None, resumed)  # its own checkpoint entry, before it starts
+    assert runs.take_pending(second) is resumed
+    runs.add(second, None, resumed)  # inactive for it: its entry stays what the checkpoint gave
+    assert runs.of(second) is None and runs.saved_by(second) == (None, resumed)
+    assert runs.load(first, resumed) is run  # the first Trainer's run takes its own
+    assert runs.current is None and runs.of(first) is run and runs.current is run

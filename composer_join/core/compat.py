@@ -353,6 +353,20 @@ def spins_dataloaders(state: Any) -> bool:
     return True if spins is None else spins
 
 
+def calling_state() -> Any:
+    """The Composer ``State`` whose method is calling, found on the call stack: Composer's ``State.state_dict`` and
+    ``State.load_state_dict`` call each algorithm's, and do not say for which trainer. None if no ``State`` is."""
+    from composer.core import State
+
+    frame: Optional[FrameType] = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get('self')
+        if isinstance(owner, State):
+            return owner
+        frame = frame.f_back
+    return None
+
+
 def train_data_spec(state: Any) -> Any:
     """The ``DataSpec`` the running ``Trainer`` splits train batches with, found from inside one of its events.
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from composer.core import State
+from composer.core import Evaluator, State
 from composer.distributed.shared_utils import generate_oom_hook
 
 from composer_join.core import compat
@@ -103,15 +103,18 @@ class EvalRetry:
     microbatching on, :meth:`batch_start` (``EVAL_BATCH_START``) keeps a copy of the metric states
     and :meth:`before_forward` (``EVAL_BEFORE_FORWARD``) puts it back when the microbatch size has
     changed since, i.e. when a retry starts. Cost, only then: one copy of the metric states per
-    evaluation batch.
+    evaluation batch. ``evaluator``: the one Composer runs (its ``DataSpec`` holds the dataloader it iterates:
+    :func:`composer_join.shadow.dataspec.evaluator_for`); None (``predict()``): nothing to undo. Its metrics are
+    ``state.eval_metrics[label]``, the dictionary Composer's evaluation loop itself updates.
     """
 
-    def __init__(self):
-        self._size = None
+    def __init__(self, evaluator: Optional[Evaluator]):
+        self.evaluator = evaluator  # the evaluation's (found by identity, composer_join.shadow.dataspec.evaluator_for)
+        self._size: Any = None
         self._saved: list[tuple[Any, dict[str, Any]]] = []
 
     def batch_start(self, state: State) -> None:
-        evaluator = _evaluator(state)
+        evaluator = self.evaluator
         self._saved = []
         if evaluator is None or not evaluator.auto_microbatching:
             return
@@ -120,17 +123,13 @@ class EvalRetry:
         self._saved = [(m, _metric_state(m)) for m in metrics.values()]
 
     def before_forward(self, state: State) -> None:
-        evaluator = _evaluator(state)
+        evaluator = self.evaluator
         if not self._saved or evaluator is None or evaluator.device_eval_microbatch_size == self._size:
             return
         self._size = evaluator.device_eval_microbatch_size
         for metric, saved in self._saved:
             for name, value in saved.items():
                 setattr(metric, name, _copy(value))
-
-
-def _evaluator(state: State):
-    return next((e for e in state.evaluators if e.label == state.dataloader_label), None)
 
 
 def _metric_state(metric: Any) -> dict[str, Any]:

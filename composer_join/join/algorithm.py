@@ -1,7 +1,8 @@
 """``UnevenJoin``: the Composer algorithm that lets ranks with less data join instead of stopping everyone.
 
 The class only routes Composer's events (its table, :data:`ROUTES`) to a
-:class:`~composer_join.join.session.Run`, made at the trainer's first active start event, and its sessions: a fit's
+:class:`~composer_join.join.session.Run`, made at the trainer's first active start event (one per trainer, found by
+the ``State`` the event comes with: :class:`~composer_join.join.runs.Runs`), and its sessions: a fit's
 (:class:`~composer_join.join.fit.FitSession`) and an evaluation's or ``predict()``'s
 (:class:`~composer_join.join.evaluation.EvalSession`), which do the work through the pieces beneath them.
 ``match`` asks the run (:meth:`~composer_join.join.session.Run.wants`): on a training step where no rank shadows,
@@ -62,15 +63,17 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from composer_join.core import compat
 from composer_join.core.exchange import agree_on_length
 from composer_join.core.plan import StepPlan
 from composer_join.core.report import EpochReport
 from composer_join.core.settings import row as settings_row
-from composer_join.data.resume import Resumed, restore, snapshot
+from composer_join.data.resume import restore, snapshot
 from composer_join.interop.predict import PREDICT_EVENTS
 from composer_join.join.context import Settings
 from composer_join.join.fit import CHECKPOINT_EVENTS, TRAIN_MICROBATCH_EVENTS
 from composer_join.join.loader import JoinLoader
+from composer_join.join.runs import Runs
 from composer_join.join.session import Run
 
 __all__ = ['MICROBATCH_EVENTS', 'ROUTES', 'UnevenJoin', 'is_shadow_step']
@@ -161,6 +164,9 @@ class UnevenJoin(Algorithm):
         trainer.fit()
         print(trainer.state.algorithms[0].reports[-1].summary())  # what each rank trained
 
+    One object may be given to several Trainers (a sweep, a notebook): each gets a run of its own, found by its
+    ``State`` (its reports: :meth:`reports_of`; its checkpoint entry; kept while this object lives).
+
     Args:
         divide_by_initial_world_size: as in ``DistributedDataParallel.join``: if True (default)
             the gradient is divided by the full world size even when some ranks have joined
@@ -202,11 +208,10 @@ class UnevenJoin(Algorithm):
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.enable = enable
         self.throw_on_early_termination = throw_on_early_termination
-        self.reports: list[EpochReport] = []  # one per finished training epoch, the same on every rank
         self.pass_seen = False  # set by composer_join.join.passes.join_pass when the Engine runs it
-        self._active: Optional[bool] = None  # decided at the first FIT_START, EVAL_START or PREDICT_START
-        self._run: Optional[Run] = None  # made then, where active
-        self._resumed: Optional[Resumed] = None  # what a checkpoint gave, until the run takes it
+        # per Trainer (its State): active or not (decided at its first FIT_START, EVAL_START or PREDICT_START), its run
+        # (made then, where active), what a checkpoint gave it
+        self._runs = Runs()
 
     def __repr__(self) -> str:  # Composer formats the algorithm into a trace key at every event it runs
         return (
@@ -216,14 +221,36 @@ class UnevenJoin(Algorithm):
         )
 
     @property
+    def _run(self) -> Optional[Run]:
+        """The run of the Trainer that sent the latest event (:class:`~composer_join.join.runs.Runs`)."""
+        return self._runs.current
+
+    @property
+    def reports(self) -> list[EpochReport]:
+        """One report per finished training epoch of the Trainer that sent the latest event, the same on every rank
+        (with a checkpoint loaded, its epochs first). A Trainer's own: :meth:`reports_of`."""
+        return self._runs.reports(None)
+
+    def reports_of(self, state: State) -> list[EpochReport]:
+        """The reports of the Trainer whose state is ``state`` (one ``UnevenJoin`` may serve several Trainers, each
+        with its own run); ``[]`` if UnevenJoin has not run for it (or, inactive, what a checkpoint gave it)."""
+        return self._runs.reports(state)
+
+    @property
     def plan(self) -> Optional[StepPlan]:
         """The current step's plan, while a training epoch or an evaluation is running."""
         return self._run.plan() if self._run is not None else None
 
     @property
     def is_shadow_step(self) -> bool:
-        """True while this rank runs a shadow step (it has run out of data, others have not)."""
+        """True while this rank runs a shadow step (it has run out of data, others have not), in the Trainer that sent
+        the latest event; a given Trainer's: :func:`is_shadow_step` of its state."""
         return self._run is not None and self._run.shadow_step
+
+    def shadows_in(self, state: State) -> bool:
+        """True while this rank runs a shadow step in the Trainer whose state is ``state``."""
+        run = self._runs.get(state)
+        return run is not None and run.shadow_step
 
     @property
     def train_loader(self) -> Optional[JoinLoader]:
@@ -236,12 +263,16 @@ class UnevenJoin(Algorithm):
         With train data that keeps its own position, also every rank's own position, as gathered on every rank
         at Composer's checkpoint event before the save (or at ``FIT_END``). Not collective: one rank may call it
         alone; where nothing was gathered for the current step, it holds no position and warns
-        (:meth:`composer_join.data.resume.RankPositions.entries`).
+        (:meth:`composer_join.data.resume.RankPositions.entries`). Of the Trainer whose ``State.state_dict`` calls it
+        (one ``UnevenJoin`` may serve several Trainers, each with its own run), else of the one that sent the latest
+        event.
         """
-        if self._run is not None:
-            run = self._run.saved()
+        trainer = compat.calling_state()
+        run_of, resumed = self._runs.saved_by(trainer)
+        reports = self._runs.reports(trainer)
+        if run_of is not None:
+            run = run_of.saved()
         else:  # inactive, or not started: what a checkpoint gave, unchanged
-            resumed = self._resumed
             run = {
                 'current': resumed.current if resumed else None,
                 'wrapper': resumed.wrapper if resumed else {},
@@ -250,23 +281,26 @@ class UnevenJoin(Algorithm):
                 'groups': resumed.groups if resumed else None,
                 'positions_unsaved': resumed.positions_unsaved if resumed else False,
             }
-        return {**super().state_dict(), **snapshot(self.reports, **run)}
+        return {**super().state_dict(), **snapshot(reports, **run)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Called by Composer when it loads a checkpoint (``load_path``, ``autoresume``), before ``fit``."""
-        self._resumed = restore(state)
-        self.reports[:] = self._resumed.reports  # (the run appends to this list)
-        if self._run is not None:
-            self._run.resumed = self._resumed
-            self._run.wrapper.load_state_dict(self._resumed.wrapper)
+        """Called by Composer when it loads a checkpoint (``load_path``, ``autoresume``), before ``fit``: for the
+        Trainer whose ``State.load_state_dict`` calls it (else the one that sent the latest event)."""
+        resumed = restore(state)
+        run = self._runs.load(compat.calling_state(), resumed)
+        if run is not None:
+            run.reports[:] = resumed.reports  # (the run appends to this list)
+            run.resumed = resumed
+            run.wrapper.load_state_dict(resumed.wrapper)
 
     def match(self, event: Event, state: State) -> bool:
-        """Whether UnevenJoin runs at ``event``: active, as its run decides (:meth:`Run.wants`: on a training step
-        where no rank shadows, almost never); not decided yet, at a start event."""
-        run = self._run
+        """Whether UnevenJoin runs at ``event`` for the Trainer whose state is ``state``: active, as its run decides
+        (:meth:`Run.wants`: on a training step where no rank shadows, almost never); not decided yet, at a start
+        event."""
+        run = self._runs.of(state)
         if run is not None:  # (made where active)
             return id(event) in _EVENT_IDS and run.wants(event, state)
-        return self._active is None and event in _STARTS
+        return event in _STARTS and not self._runs.decided(state)
 
     def stands_in(self, others: bool) -> bool:
         """For :mod:`composer_join.join.passes` at ``AFTER_DATALOADER``: whether other algorithms (``others``) run
@@ -295,9 +329,10 @@ class UnevenJoin(Algorithm):
             route(self._run, state, logger, event)
 
     def _activate(self, state: State) -> bool:
-        """At the first start event: active (a :class:`~composer_join.join.session.Run` made) or not, and why."""
-        if self._active is None:
-            world, resumed = dist.get_world_size(), self._resumed
+        """At a Trainer's first start event: active for it (its :class:`~composer_join.join.session.Run` made) or not,
+        and why."""
+        if not self._runs.decided(state):
+            world, resumed = dist.get_world_size(), self._runs.take_pending(state)
             resized = resumed is not None and resumed.world_size not in (None, world)
             # one rank resuming another world size's checkpoint: active, so the check and the epoch boundary hold
             why = 'enable=False' if not self.enable else 'world size is 1' if world == 1 and not resized else None
@@ -308,15 +343,17 @@ class UnevenJoin(Algorithm):
                 # Take part in the enabled ranks' first agreement (its only collective): a rank disabled among
                 # enabled ones then stops every rank with an error naming it (composer_join.core.settings).
                 agree_on_length(None, None, state.device.tensor_to_device, settings)
-            self._active = why is None
+            run = None
             if why is not None:
                 log.info('UnevenJoin is inactive (%s): Composer runs exactly as without it.', why)
             else:
                 config = Settings(
                     self.mode, self.divide_by_initial_world_size, self.throw_on_early_termination, tuple(settings)
                 )
-                self._run = Run(state, config, self.reports, resumed, self)
-        return self._active
+                reports = list(resumed.reports) if resumed is not None else []
+                run = Run(state, config, reports, resumed, self)
+            self._runs.add(state, run, resumed)
+        return self._runs.of(state) is not None
 
 
 def is_shadow_step(state: State) -> bool:
@@ -334,4 +371,4 @@ def is_shadow_step(state: State) -> bool:
     """
     if not isinstance(state, State):
         raise TypeError(f"is_shadow_step(state) takes the trainer's State (trainer.state), got {type(state).__name__}")
-    return any(isinstance(a, UnevenJoin) and a.is_shadow_step for a in state.algorithms)
+    return any(isinstance(a, UnevenJoin) and a.shadows_in(state) for a in state.algorithms)

@@ -5,7 +5,9 @@ An :class:`EvalSession` is made by the run (:class:`~composer_join.join.session.
 While it exists it is the run's current session: its loader's plan is the one :func:`~composer_join.is_shadow_step`
 reads. It owns:
 
-* the evaluator's (or ``predict()``'s) :class:`~composer_join.join.loader.JoinLoader`, or None where every rank's
+* the evaluator's (or ``predict()``'s) :class:`~composer_join.join.loader.JoinLoader`: the evaluator is the one whose
+  ``DataSpec`` holds the dataloader Composer iterates (by identity, never by label: an
+  ``eval(eval_dataloader=...)``'s evaluator may share the label of the Trainer's own), or None where every rank's
   ``DistributedSampler`` evens the shards out by repeating samples (Composer's evaluation removes the repeats:
   nothing is uneven, it is left to Composer);
 * the microbatches of its batches (:class:`~composer_join.join.microbatches.Microbatches`): a shadow batch's forward
@@ -29,7 +31,7 @@ from composer_join.interop.predict import empty_outputs
 from composer_join.join.context import Context
 from composer_join.join.loader import JoinLoader, join_dataloader, lift_cap, pads_by_repeating
 from composer_join.join.microbatches import Microbatches
-from composer_join.shadow.dataspec import spec_for
+from composer_join.shadow.dataspec import evaluator_for, spec_for
 
 __all__ = ['BATCH_EVENTS', 'EvalSession']
 
@@ -55,27 +57,30 @@ class EvalSession:
 
     def __init__(self, context: Context, earlier: Optional[JoinLoader], predict: bool):
         self.context, self.state, self.predict = context, context.state, predict
-        self.retry = EvalRetry()  # automatic eval microbatching: undo a retried batch's metric updates
         state = self.state
-        evaluator = next((e for e in state.evaluators if e.label == state.dataloader_label), None)
-        size: Any
-        if predict:
-            size = -1
-        elif evaluator is not None:
-            size = lambda: evaluator.device_eval_microbatch_size  # noqa: E731 (read when used: auto microbatching)
-        else:
-            size = None
+        # the evaluator whose DataSpec holds the dataloader Composer iterates (by identity: labels repeat)
+        evaluator = None if predict else evaluator_for(state, state.dataloader)
+        if not predict and evaluator is None:
+            raise RuntimeError(
+                "UnevenJoin: none of the Trainer's evaluators holds the dataloader Composer evaluates "
+                f'({type(state.dataloader).__name__}, label {state.dataloader_label!r})'
+            )
+        self.retry = EvalRetry(evaluator)  # automatic eval microbatching: undo a retried batch's metric updates
+        # read when used (automatic microbatching changes it); predict(): every batch whole
+        size: Any = (lambda: evaluator.device_eval_microbatch_size) if evaluator is not None else -1
+        own = evaluator.dataloader if evaluator is not None else None  # the evaluator's DataSpec (predict(): none)
         self.loader: Optional[JoinLoader] = join_dataloader(
             state,
             earlier,
             microbatch_size=size,
             settings=context.settings.row,
             facts=context.facts(state, repeats=pads_by_repeating(state.dataloader)),
-            install=lambda changes: context.wrapper.install(changes, state, self.plan, train=False),
+            install=lambda changes: context.wrapper.install(changes, state, self.plan, train=False, spec=own),
             layout=context.layout,
         )
         loader = self.loader
-        spec = spec_for(state, loader.dataloader) if loader is not None else None
+        # the DataSpec the loader counts with (predict(): Composer's defaults)
+        spec = spec_for(state, loader.dataloader, train=False) if loader is not None else None
         self.microbatches = Microbatches(state, loader, spec, context.rank)
         if loader is None:
             # every rank's DistributedSampler evens shards out by repeating samples, and Composer's eval

@@ -112,7 +112,7 @@ class FitSession:
     def _use(self, loader: JoinLoader) -> None:
         """Read ``loader`` from now on (its positions, its microbatches)."""
         self.loader, self.positions = loader, loader.positions
-        spec = spec_for(self.state, loader.dataloader)
+        spec = spec_for(self.state, loader.dataloader, train=True)
         self.microbatches = Microbatches(self.state, loader, spec, self.context.rank)
 
     def _start(self, state: State, resumed: Optional[Resumed], previous: Optional[FitSession]) -> None:

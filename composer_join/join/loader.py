@@ -102,8 +102,10 @@ def join_dataloader(
 
     ``cached``: a loader made earlier; if it is over the same dataloader object, what was learned from its batches
     (:class:`Learned`) is kept. ``throw`` is ``throw_on_early_termination``. Microbatch counts are predicted with
-    ``microbatch_size`` (an evaluator's, or a callable giving the size in force), by default the train
-    microbatch size in force. ``rebalance``: ``mode='rebalance'`` (:func:`batch_source` picks the source).
+    ``microbatch_size`` (an evaluator's, or a callable giving the size in force), and batches counted and split with
+    the ``DataSpec`` of the evaluator that holds the dataloader (:func:`~composer_join.shadow.dataspec.spec_for`); by
+    default (None) the dataloader is the train one: the train microbatch size in force, the Trainer's train
+    ``DataSpec``. ``rebalance``: ``mode='rebalance'`` (:func:`batch_source` picks the source).
     ``settings``: UnevenJoin's (:func:`composer_join.core.settings.row`), checked to be the same on every
     rank in the same collective. ``install(changes)``: the algorithm's changes for each iteration, made
     through ``changes`` (:attr:`~composer_join.join.iterator.Glue.opened`). ``positions(source, facts)``: the
@@ -147,7 +149,7 @@ def join_dataloader(
     else:
         size = microbatch_size if callable(microbatch_size) else lambda: microbatch_size
     # Composer's DataSpec, so counts are its counts; wrapped for every iteration (undone as it ends)
-    spec = spec_for(state, dataloader)
+    spec = spec_for(state, dataloader, train=microbatch_size is None)
 
     def describe(batch: Any) -> tuple[int, int]:
         return _describe(spec, batch, size())

@@ -47,7 +47,7 @@ class Run:
     Args:
         state: the trainer's state, at its first active start event.
         settings: UnevenJoin's settings (:class:`~composer_join.join.context.Settings`).
-        reports: the algorithm's list of finished epochs' reports (a fit appends at ``EPOCH_END``).
+        reports: this trainer's list of finished epochs' reports (a fit appends at ``EPOCH_END``).
         resumed: what a checkpoint gave, if Composer loaded one before this start.
         algorithm: the :class:`~composer_join.UnevenJoin` whose run this is (the trainer's other algorithms are the
             ones besides it).
@@ -69,6 +69,11 @@ class Run:
     @property
     def wrapper(self) -> Any:
         return self.context.wrapper
+
+    @property
+    def reports(self) -> list:
+        """This trainer's finished epochs' reports (its fits append at ``EPOCH_END``)."""
+        return self.context.reports
 
     @property
     def session(self) -> Optional[Any]:

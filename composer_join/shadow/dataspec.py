@@ -6,10 +6,10 @@ get_num_samples_in_batch=..., split_batch=...)``). UnevenJoin's per-step agreeme
 report and its microbatch bookkeeping (DDP's last-microbatch sync under ``multi_auto_sync``,
 FSDP's padding) use the same functions:
 
-* :func:`spec_for`: the ``DataSpec`` of the dataloader being wrapped (the trainer's train
-  ``DataSpec``, or the evaluator's), found from inside one of Composer's events (:func:`current_spec`: the same,
-  or None where Composer has none of its own; the trainer's train ``DataSpec`` itself is found on the call
-  stack, :func:`composer_join.core.compat.train_data_spec`);
+* :func:`spec_for`: the ``DataSpec`` of the dataloader being wrapped (the trainer's train ``DataSpec``, found on
+  the call stack, :func:`composer_join.core.compat.train_data_spec`; or the evaluator's), found from inside one of
+  Composer's events; an evaluator is the one whose ``DataSpec`` holds the dataloader itself (:func:`evaluator_for`:
+  by identity, never by label, which two evaluators may share);
 * :func:`count_microbatches`: Composer's default split makes ``ceil(samples / microbatch size)``
   microbatches (computed, nothing split); a custom ``split_batch`` is called on the batch and its
   microbatches counted;
@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional
 
-from composer.core import DataSpec, State
+from composer.core import DataSpec, Evaluator, State
 
 from composer_join.core import compat
 from composer_join.core.changes import Changes
@@ -45,7 +45,7 @@ __all__ = [
     'ShadowSplit',
     'count_microbatches',
     'count_samples',
-    'current_spec',
+    'evaluator_for',
     'spec_for',
     'split_gave_empty',
     'unwrapped_split',
@@ -54,23 +54,33 @@ __all__ = [
 _COUNT_ERRORS = (ValueError, NotImplementedError, TypeError, AttributeError, IndexError, KeyError)
 
 
-def current_spec(state: State) -> Optional[DataSpec]:
-    """The ``DataSpec`` Composer uses for ``state.dataloader`` (its label says which): the trainer's train
-    ``DataSpec`` or an evaluator's; None if neither (``predict()``'s, say)."""
-    label = state.dataloader_label
-    if label == 'train':
-        spec = compat.train_data_spec(state)
-        if spec is not None:
-            return spec
+def evaluator_for(state: State, dataloader: Any) -> Optional[Evaluator]:
+    """The evaluator whose ``DataSpec`` holds ``dataloader`` itself (by identity), None if none does.
+
+    By identity, never by label: ``trainer.eval(eval_dataloader=Y)`` on a Trainer built with its own
+    ``eval_dataloader`` gives two evaluators labelled ``'eval'``. Composer appends Y's after the Trainer's and runs only
+    those it appended, so of several evaluators holding the same dataloader object the last is the one it runs.
+    Cost: a look at each of ``state.evaluators``.
+    """
+    found = None
     for evaluator in state.evaluators:
-        if evaluator.label == label and isinstance(evaluator.dataloader, DataSpec):
-            return evaluator.dataloader
-    return None
+        if isinstance(evaluator.dataloader, DataSpec) and evaluator.dataloader.dataloader is dataloader:
+            found = evaluator
+    return found
 
 
-def spec_for(state: State, dataloader: Any) -> DataSpec:
-    """:func:`current_spec`, or ``DataSpec(dataloader)`` if it is unknown."""
-    spec = current_spec(state)
+def spec_for(state: State, dataloader: Any, train: bool) -> DataSpec:
+    """The ``DataSpec`` Composer counts and splits ``dataloader``'s batches with, from inside one of its events.
+
+    ``train``: the Trainer's train ``DataSpec`` (on the call stack, :func:`composer_join.core.compat.train_data_spec`;
+    ``dataloader`` may be one of UnevenJoin's over the user's, the rest of an epoch resumed elastically). Else (an
+    evaluation, ``predict()``): the ``DataSpec`` of the evaluator that holds ``dataloader`` (:func:`evaluator_for`).
+    ``DataSpec(dataloader)`` (Composer's defaults) where there is none (``predict()``'s).
+    """
+    spec = compat.train_data_spec(state) if train else None
+    if spec is None and not train:
+        evaluator = evaluator_for(state, dataloader)
+        spec = evaluator.dataloader if evaluator is not None else None
     return spec if spec is not None else DataSpec(dataloader)
 
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
-from composer.core import State
+from composer.core import DataSpec, State
 from torch.nn.parallel import DistributedDataParallel
 
 from composer_join.core import compat
@@ -355,7 +355,14 @@ class DDPWrapper(Wrapper):
         self.zero.reset()
         self.strategy = compat.ddp_sync_strategy(state)
 
-    def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]], train: bool) -> None:
+    def install(
+        self,
+        changes: Changes,
+        state: State,
+        plan: Callable[[], Optional[StepPlan]],
+        train: bool,
+        spec: Optional[DataSpec] = None,
+    ) -> None:
         if not train:
             return
         self.guard.attach(changes)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-from composer.core import State
+from composer.core import DataSpec, State
 from composer.utils import dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
@@ -42,7 +42,6 @@ from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import StepPlan
 from composer_join.interop.oom import OOMChecks
 from composer_join.shadow.buffers import BufferGuard
-from composer_join.shadow.dataspec import current_spec
 from composer_join.shadow.gradients import reached_leaves
 from composer_join.shadow.padding import MicrobatchPadding
 from composer_join.shadow.shadow import LossShape, connected_zero_loss
@@ -233,7 +232,14 @@ class FSDPWrapper(Wrapper):
                 'inside composer.Trainer.fit()',
             )
 
-    def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]], train: bool) -> None:
+    def install(
+        self,
+        changes: Changes,
+        state: State,
+        plan: Callable[[], Optional[StepPlan]],
+        train: bool,
+        spec: Optional[DataSpec] = None,
+    ) -> None:
         """Pad the ``DataSpec``'s microbatches, guard the buffers, until ``changes`` is undone. Train: the trainer's
         ``DataSpec``, with its own sample count, errors raised on every rank at the first loss; an evaluation: the
         evaluator's, errors raised at once."""
@@ -244,7 +250,7 @@ class FSDPWrapper(Wrapper):
             MicrobatchPadding.install(
                 spec, changes, plan, state.device.tensor_to_device, checks=self.oom, count=count, failures=failures
             )
-        elif (spec := current_spec(state)) is not None:  # the evaluator's (predict(): none)
+        elif spec is not None:  # the evaluator's (predict(): none)
             MicrobatchPadding.install(
                 spec, changes, plan, state.device.tensor_to_device, count=spec.get_num_samples_in_batch
             )

@@ -60,7 +60,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional
 
-from composer.core import State
+from composer.core import DataSpec, State
 
 from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan
@@ -121,9 +121,19 @@ class Wrapper:
         """``FIT_START`` (``train``), ``EVAL_START`` or ``PREDICT_START``: attach to the model as Composer wrapped
         it (again at every start: idempotent)."""
 
-    def install(self, changes: Changes, state: State, plan: Callable[[], Optional[StepPlan]], train: bool) -> None:
+    def install(
+        self,
+        changes: Changes,
+        state: State,
+        plan: Callable[[], Optional[StepPlan]],
+        train: bool,
+        spec: Optional[DataSpec] = None,
+    ) -> None:
         """An iteration over the train (``train``) or an eval or predict dataloader opens: make this wrapper's changes
-        through ``changes``, its register; ``plan()`` gives the plan of the step running at any time."""
+        through ``changes``, its register; ``plan()`` gives the plan of the step running at any time. ``spec``: an
+        evaluation's ``DataSpec``, that of the evaluator holding the dataloader Composer iterates
+        (:func:`~composer_join.shadow.dataspec.evaluator_for`); None in training (the Trainer's train ``DataSpec``)
+        and ``predict()``."""
 
     def watches(self, state: State, plan: StepPlan) -> bool:
         """Whether a training step where no rank shadows still needs :meth:`begin_step` and :meth:`microbatch`,

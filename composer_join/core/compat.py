@@ -54,6 +54,7 @@ __all__ = [
     'CompatError',
     'assign_ddp_buffers',
     'broadcast_ddp_buffers',
+    'calling_state',
     'dataloader_cap_off',
     'dataset_of',
     'ddp_sync_strategy',

@@ -6,21 +6,24 @@ Owns the Composer-facing glue around the :class:`~composer_join.join.iterator.Jo
   (the ranks' lengths, settings and facts, one collective), the source of batches (:func:`batch_source`, the one
   place it is chosen), the protocol's :class:`~composer_join.core.protocol.Rules`, the loader's
   :class:`~composer_join.join.iterator.Glue` (Composer's ``DataSpec`` to count and split batches, the microbatch size
-  in force, the iteration's register of changes, the sampler's epoch), and ``state.dataloader`` set to the loader;
-* :func:`lift_cap`: Composer's ``dataloader_len`` cap lifted while its loop starts, where batches past the longest
-  ``len()`` would otherwise be lost;
+  in force, the iteration's register of changes, the sampler's epoch), and ``state.dataloader`` set to the loader
+  (a :class:`JoinDataLoader` over a user's ``DataLoader``), with the agreed length;
+* :func:`lift_cap`: Composer's ``dataloader_len`` cap lifted while its loop starts, where some rank's dataloader may
+  yield more than its ``len()`` (:func:`may_overcount`) and its batches past the longest ``len()`` would be lost;
 * :func:`pads_by_repeating`: whether a ``DistributedSampler`` evens out shards by repeating samples (left to
   Composer).
 
-**A ``len()`` is a hint** (``mode='shadow'``): an ``IterableDataset`` read by several workers yields more batches
-than its ``len()`` (each worker ends with its own partial batch; torch only warns). Such a loader is trained in
-full: a step planned from the lengths alone is one before the shortest rank's last batch by ``len()``; at the last
-step by the longest ``len()`` a rank peeks one batch further (and keeps it), and if some rank has more the epoch goes
-on past ``len()``, every further step agreed, until no rank has data (:mod:`composer_join.core.protocol`). Composer
-would stop asking after ``dataloader_len`` batches, so the algorithm lifts that cap while Composer starts iterating
-(:func:`lift_cap`) and puts it back before the first batch, so schedules and durations still read the longest
-``len()``. At the end of such an epoch rank 0 warns, once per dataloader. A loader whose ``len()`` is exact costs
-nothing more (the peek rides on the last step's agreement).
+**A ``len()`` is exact, but where torch says it may undercount** (``mode='shadow'``): an ``IterableDataset`` read by
+several workers yields more batches than its ``len()`` (each worker ends with its own partial batch; torch only
+warns). Where some rank's is such a loader (agreed), it is trained in full: a step planned from the lengths alone is
+one before the shortest rank's last batch by ``len()``; at the last step by the longest ``len()`` a rank peeks one
+batch further (and keeps it), and if some rank has more the epoch goes on past ``len()``, every further step agreed,
+until no rank has data (:mod:`composer_join.core.protocol`). Composer would stop asking after ``dataloader_len``
+batches, so the algorithm lifts that cap while Composer starts iterating (:func:`lift_cap`) and puts it back as the
+loop starts, so schedules, durations and callbacks read the longest ``len()`` from the first batch. At the end of
+such an epoch rank 0 warns, once per dataloader. Elsewhere the cap holds, as without UnevenJoin, and a rank that
+peeks a batch past it stops every rank with an error naming it (it would be dropped in silence). A loader whose
+``len()`` is exact costs nothing more (the peek rides on the last step's agreement).
 
 Example (what the algorithm does at ``Event.FIT_START`` and ``Event.EVAL_START``)::
 

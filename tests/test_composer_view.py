@@ -32,7 +32,8 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from harness import RankError, launch
+from harness import launch
+from test_join_core import ok
 from toy import lm_batch, lm_shard, lm_token_losses, make_lm, make_module, per_sample_loss, shard
 
 TOL = 1e-6
@@ -127,12 +128,6 @@ def runs() -> dict:
             calls += [(name, 'scenarios_composer_view:nan_loss', {'cfg': cfg}) for name, cfg in NAN.items()]
         out.update(launch(world, calls, timeout=600))
     return out
-
-
-def ok(runs: dict, name: str) -> list[dict]:
-    errors = [f'rank {r}: {e}' for r, e in enumerate(runs[name]) if isinstance(e, RankError)]
-    assert not errors, f'{name} failed: ' + '; '.join(errors)
-    return runs[name]
 
 
 def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -185,7 +185,7 @@ class FitSession:
             self.watched = self._watch(state)
             return self.watched
         if event is Event.AFTER_DATALOADER:
-            return self.loader.others
+            return self.loader.recounts
         if event is Event.AFTER_TRAIN_BATCH:
             return self.watched or self._fills(state)
         if key in _CHECKPOINT_IDS:

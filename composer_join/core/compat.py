@@ -32,7 +32,9 @@ Composer                 ``composer.core.data_spec._default_split_batch``,
                          ``composer.core.engine._get_default_passes`` (the algorithm pass),
                          ``Trainer._train_data_spec``, ``Trainer._ddp_sync_strategy`` and
                          ``Trainer.spin_dataloaders`` (found on the call stack, ``sys._getframe``; without
-                         the strategy: every step is watched; without the spin setting: Composer's default)
+                         the strategy: every step is watched; without the spin setting: Composer's default),
+                         ``Trainer.predict``'s local ``data_spec`` (the same way; without it: Composer's
+                         default ``DataSpec``)
 torchmetrics             ``Metric._defaults``, ``_reductions``, ``_update_count``, ``_computed``
 Hugging Face datasets    ``IterableDataset._ex_iterable`` (a shuffle buffer; without it: assumed)
 =======================  ============================================================================
@@ -73,6 +75,7 @@ __all__ = [
     'metric_state_names',
     'missing',
     'params_for_reducer',
+    'predict_data_spec',
     'private',
     'push_rebuilt_params',
     'rebuild_buckets',
@@ -89,6 +92,7 @@ __all__ = [
     'static_graph_first_pending',
     'sync_buffers_around_forward',
     'train_data_spec',
+    'transforms_batches',
     'update_count',
     'zero_grad_buckets',
 ]
@@ -291,6 +295,30 @@ def default_split_batch() -> Callable[[Any, Any], Any]:
     return private('composer.core.data_spec', '_default_split_batch', 'composer')
 
 
+def transforms_batches(spec: Any) -> bool:
+    """Whether ``spec.batch_transforms`` is one of the user's, not Composer's no-op default
+    (``DataSpec._default_transforms``, a method: compared by its function)."""
+    from composer.core import DataSpec
+
+    default = private(DataSpec, '_default_transforms', 'composer')
+    return getattr(spec.batch_transforms, '__func__', None) is not default
+
+
+def predict_data_spec(state: Any) -> Any:
+    """The ``DataSpec`` of the ``Trainer.predict()`` call running for ``state`` (its local ``data_spec``: Composer
+    keeps it nowhere else), found on the call stack from inside one of its events; None if not found."""
+    from composer.core import DataSpec
+
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get('self')
+        if frame.f_code.co_name == 'predict' and getattr(owner, 'state', None) is state:
+            spec = frame.f_locals.get('data_spec')
+            return spec if isinstance(spec, DataSpec) else None
+        frame = frame.f_back
+    return None
+
+
 def default_count(batch: Any) -> float:
     """Samples in ``batch`` as Composer's default ``DataSpec`` counts them."""
     from composer.core import DataSpec
@@ -457,6 +485,7 @@ def missing() -> list[str]:
         *((_reducer_class(), n) for n in (*_REDUCER, '_reset_state')),
         ('composer.core.data_spec', '_default_split_batch'),
         (DataSpec, '_default_get_num_samples_in_batch'),
+        (DataSpec, '_default_transforms'),
         ('composer.trainer.trainer', '_get_distributed_sampler'),
         (State, '_dataset_of'),
         ('composer.core.engine', '_get_default_passes'),

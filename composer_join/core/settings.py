@@ -16,7 +16,7 @@ the others' agreement fails with ``Connection reset by peer`` within a second);
 :func:`mismatch_error` turns the failure the UnevenJoin ranks see into an error that says so.
 
 The same row carries what each rank's own objects decide about UnevenJoin's collectives (:class:`Facts`): whether
-its trainer has other algorithms, whether its evaluation data repeats samples, how its train data keeps its
+its trainer has other algorithms or its train ``DataSpec`` a ``batch_transforms``, whether its evaluation data repeats samples, how its train data keeps its
 position. Every rank then decides from every rank's facts, never from its own alone (docs/how-it-works.md, "The
 collectives, and what decides them"): :func:`check` stops every rank where they cannot be reconciled and returns
 every rank's facts for the caller to decide the rest.
@@ -76,15 +76,22 @@ class Facts:
     ``DataLoader`` workers (each worker ends with its own partial batch, torch only warns). Where some rank's may,
     Composer's length cap is lifted while its loop starts (:func:`composer_join.join.loader.lift_cap`); elsewhere
     it stays, and a dataloader that yields more than the longest ``len()`` stops every rank with an error."""
+    transforms: bool = False
+    """Train: this rank's ``DataSpec`` has a ``batch_transforms`` of the user's, which Composer applies before it
+    counts, so the batch it trains may hold other samples than the one the dataloader yielded (two views of each,
+    say). Where some rank's has one, every rank counts again at every ``AFTER_DATALOADER``, after the transform, as
+    for :attr:`others`."""
     label: str = field(default='train', compare=False)
     """The dataloader's label, for messages (not sent)."""
 
     def row(self) -> list[int]:
-        return [self.others, int(self.repeats), self.position, self.shadow, int(self.overcounts)]
+        return [self.others, int(self.repeats), self.position, self.shadow, int(self.overcounts), int(self.transforms)]
 
     @classmethod
     def from_row(cls, values: Sequence[int], label: str = 'train') -> Facts:
-        return cls(int(values[0]), bool(values[1]), int(values[2]), int(values[3]), bool(values[4]), label)
+        return cls(
+            int(values[0]), bool(values[1]), int(values[2]), int(values[3]), bool(values[4]), bool(values[5]), label
+        )
 
 
 def _value(name: str, code: int) -> str:

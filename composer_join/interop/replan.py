@@ -5,9 +5,12 @@ UnevenJoin agrees on each rank's samples and microbatches when the dataloader yi
 ``AFTER_DATALOADER``, before Composer splits it into microbatches: Alibi's
 ``train_sequence_length_scaling`` reshapes ``4 x 16`` tokens into ``16 x 4``, SelectiveBackprop
 keeps a fraction of the samples. The predicted microbatch counts are then wrong, and with them the
-gradient syncs (DDP) and the padding (FSDP) that depend on them. :func:`replan` runs after those
-algorithms, on every rank, on every step where some rank's trainer has other algorithms (a fact of the
-first agreement, :class:`~composer_join.core.settings.Facts`: never what an algorithm matches on one rank):
+gradient syncs (DDP) and the padding (FSDP) that depend on them. So are they where a ``DataSpec``'s
+``batch_transforms`` changes the batch's samples (two views of each, say): Composer applies it before it counts and
+before ``AFTER_DATALOADER``, and UnevenJoin, which reads the batch a step ahead, does not call it there (it may be
+costly or random). :func:`replan` runs after those algorithms, on every rank, on every step where some rank's
+trainer has other algorithms or its train ``DataSpec`` a ``batch_transforms`` of the user's (facts of the first
+agreement, :class:`~composer_join.core.settings.Facts`: never what an algorithm matches on one rank):
 
 * on a step planned without an agreement (:attr:`~composer_join.core.plan.StepPlan.agreed` False, the same on
   every rank) only this rank's own counts are known, and only they are renewed: no collective (whoever needs the

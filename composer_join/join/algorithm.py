@@ -18,8 +18,9 @@ event                     what happens
 ``EPOCH_START``           reshuffle a ``DistributedSampler``; where some rank's dataloader may yield more than
                           its ``len()``, lift Composer's ``dataloader_len`` cap until the epoch's loop has
                           started (:func:`~composer_join.join.loader.lift_cap`)
-``AFTER_DATALOADER``      only where some rank's trainer has other algorithms: a shadow step's stand-in
-                          for those that run; every step: the counts again (:mod:`composer_join.interop.replan`)
+``AFTER_DATALOADER``      only where some rank's trainer has other algorithms or its train ``DataSpec`` a
+                          ``batch_transforms``: a shadow step's stand-in for the algorithms that run; every step:
+                          the counts again, of the batch Composer trains (:mod:`composer_join.interop.replan`)
 ``BEFORE_TRAIN_BATCH``    a step UnevenJoin runs in (some rank shadows, or a setting needs it): the wrapper's step
 ``BEFORE_FORWARD``        the microbatch's record (shadow or real, made once,
                           :class:`~composer_join.join.microbatches.Microbatch`); the wrapper's part of it entered:

@@ -19,7 +19,8 @@ engine runs an algorithm's ``apply``, with its own bookkeeping, for every event 
 some rank shadows, this rank's batch or one of its microbatches has no samples, a real microbatch has yet to give
 the stand-in input, or the wrapper needs it (:meth:`~composer_join.wrappers.wrapper.Wrapper.watches`: automatic
 microbatching, microbatch syncs on uneven counts, FSDP). On a watched step it matches every step and microbatch
-event, as before issue 41; on any other step only ``AFTER_DATALOADER`` where some rank's trainer has other algorithms (agreed), ``AFTER_TRAIN_BATCH`` where
+event, as before issue 41; on any other step only ``AFTER_DATALOADER`` where some rank's trainer has other algorithms or its train ``DataSpec`` a
+``batch_transforms`` (agreed), ``AFTER_TRAIN_BATCH`` where
 the train metrics have list states (made syncable) and a checkpoint event where a checkpoint is saved.
 """
 
@@ -185,7 +186,7 @@ class FitSession:
             self.watched = self._watch(state)
             return self.watched
         if event is Event.AFTER_DATALOADER:
-            return self.loader.others
+            return self.loader.recounts
         if event is Event.AFTER_TRAIN_BATCH:
             return self.watched or self._fills(state)
         if key in _CHECKPOINT_IDS:
@@ -228,8 +229,9 @@ class FitSession:
         lift_cap(state, self.loader)  # only where some rank's dataloader may yield more than its len()
 
     def after_dataloader(self, state: State) -> None:
-        """Only where some rank's trainer has other algorithms (:mod:`composer_join.join.passes`): a shadow step's
-        stand-in for those that run here, first and last; every step: the counts again, which they may have changed
+        """Only where some rank's trainer has other algorithms or its train ``DataSpec`` a ``batch_transforms``
+        (agreed): a shadow step's stand-in for the algorithms that run here, first and last
+        (:mod:`composer_join.join.passes`); every step: the counts again, which they or the transform may have changed
         (on every rank, whatever each algorithm matches; gathered on agreed steps, :func:`~composer_join.interop.replan.replan`)."""
         if self.others_at_dataloader and self.shadow_step and self.microbatches.stand_in_for_others():
             return

@@ -51,6 +51,7 @@ from composer_join.data.positions import (
 from composer_join.data.resume import RankPositions, Resumed, train_position
 from composer_join.join.context import Context
 from composer_join.join.loader import JoinLoader, join_dataloader
+from composer_join.shadow.dataspec import transforms_batches
 
 __all__ = [
     'Rest',
@@ -196,7 +197,10 @@ def train_loader(
         rebalance=settings.mode == 'rebalance',
         settings=settings.row,
         facts=context.facts(
-            state, position=int(kind), shadow=SHADOW_WAYS.index(context.wrapper.shadow_way_name(state))
+            state,
+            position=int(kind),
+            shadow=SHADOW_WAYS.index(context.wrapper.shadow_way_name(state)),
+            transforms=transforms_batches(compat.train_data_spec(state)),
         ),
         install=install,
         positions=lambda source, facts: rank_positions(state, source, candidate, facts),

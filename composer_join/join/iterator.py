@@ -253,8 +253,9 @@ class JoinLoader:
         positions: train data that keeps its own position (:class:`~composer_join.data.resume.RankPositions`):
             the user's dataloader is opened through it.
         report: the current epoch's report, if it goes on (a checkpoint's, resumed).
-        others: some rank's trainer has algorithms besides UnevenJoin (the first agreement): every step's
-            ``AFTER_DATALOADER`` re-gathers the counts (:mod:`composer_join.interop.replan`).
+        recounts: some rank's trainer has algorithms besides UnevenJoin, or its ``DataSpec`` a ``batch_transforms``
+            (the first agreement): every step's ``AFTER_DATALOADER`` takes the counts again, of the batch Composer
+            trains (:mod:`composer_join.interop.replan`).
     """
 
     def __init__(
@@ -266,11 +267,11 @@ class JoinLoader:
         learned: Optional[Learned] = None,
         positions: Optional[RankPositions] = None,
         report: Optional[EpochReport] = None,
-        others: bool = False,
+        recounts: bool = False,
     ):
         self.source, self.glue, self.rules, self.exchange = source, glue, rules, exchange
         self.learned = learned if learned is not None else Learned()
-        self.positions, self.others = positions, others
+        self.positions, self.recounts = positions, recounts
         self.report = report or self._new_report(0)
         self.epoch = self.report.epoch
         # the current step's register of changes: made when a step's batch is yielded, undone when Composer asks for

@@ -23,7 +23,9 @@ metrics kept out, the wrapper's part of the current microbatch) is held in a rec
 or the next fit.
 
 Cost: a template of two samples per dataloader, kept on the device; per stand-in microbatch, a copy of it; per
-microbatch UnevenJoin runs in, one sample count with the ``DataSpec``.
+microbatch UnevenJoin runs in, one sample count with the ``DataSpec``. A rank with no real microbatch of a dataloader
+in this process makes its stand-in input from the template once, through the ``DataSpec``'s transforms (a random
+transform is then called once more on that rank than Composer calls it).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from composer_join.core.plan import StepPlan
 from composer_join.interop.metrics import MetricStates, count_shadow_update, shadow_update
 from composer_join.join.loader import TEMPLATE_SAMPLES, JoinLoader, Learned
 from composer_join.shadow.buffers import BufferGuard
-from composer_join.shadow.dataspec import count_samples
+from composer_join.shadow.dataspec import count_samples, made_as_composer_makes_it
 from composer_join.wrappers.wrapper import Microbatch as WrapperMicrobatch
 
 __all__ = ['TEMPLATE_SAMPLES', 'Microbatch', 'Microbatches', 'Step']
@@ -178,13 +180,23 @@ class Microbatches:
                 learned.stand_in = first_samples(self.state.batch, TEMPLATE_SAMPLES)
 
     def template(self) -> Any:
-        """The current dataloader's stand-in input: this rank's first samples, or (never had data) the template other
-        ranks sent, on the device."""
+        """The current dataloader's stand-in input: the first samples of a real microbatch of this rank's, or (none
+        yet in this process: no data of its own, or its data ended before the checkpoint it resumed from) the
+        template, as the dataloader yielded it, made into a microbatch the way Composer makes one
+        (:func:`~composer_join.shadow.dataspec.made_as_composer_makes_it`: the ``DataSpec``'s ``batch_transforms``,
+        the device, its split, ``microbatch_transforms``), once per dataloader."""
         learned = self._learned()
-        if learned is None:  # a stand-in is only ever asked for where a loader is current
+        if learned is None or self.loader is None:  # a stand-in is only ever asked for where a loader is current
             raise RuntimeError('UnevenJoin: a stand-in microbatch with no dataloader of the join current')
         if learned.stand_in is None:
-            learned.stand_in = self.state.device.batch_to_device(first_samples(learned.template, TEMPLATE_SAMPLES))
+            batch = first_samples(learned.template, TEMPLATE_SAMPLES)
+            to_device = self.state.device.batch_to_device
+            if self.spec is not None:
+                size = self.loader.glue.microbatch_size()
+                batch = first_samples(made_as_composer_makes_it(self.spec, batch, to_device, size), TEMPLATE_SAMPLES)
+            else:
+                batch = to_device(batch)
+            learned.stand_in = batch
         return learned.stand_in
 
     def step(self) -> Step:

@@ -16,10 +16,11 @@ reverse) and lets *algorithm passes* reorder that list per event (``composer/cor
   last: it puts the two-sample stand-in in place for the others (SelectiveBackprop's extra forward
   is a collective under FSDP, and under DDP broadcasts buffers, so it must run on every rank), then
   takes the zero-sample batch back, so Composer still counts and splits zero samples;
-* on every step's ``AFTER_DATALOADER`` where some rank's trainer has other algorithms (agreed at ``FIT_START``:
-  the same on every rank, whatever each algorithm matches on each rank), UnevenJoin runs last and re-agrees the
-  ranks' sample and microbatch counts, which they may have changed (:mod:`composer_join.interop.replan`); where no
-  rank's trainer has another algorithm, UnevenJoin does not match ``AFTER_DATALOADER`` at all
+* on every step's ``AFTER_DATALOADER`` where some rank's trainer has other algorithms or its train ``DataSpec`` a
+  ``batch_transforms`` (agreed at ``FIT_START``: the same on every rank, whatever each algorithm matches on each
+  rank), UnevenJoin runs last and re-agrees the ranks' sample and microbatch counts, which they may have changed
+  (:mod:`composer_join.interop.replan`); where neither holds on any rank, UnevenJoin does not match
+  ``AFTER_DATALOADER`` at all
   (:meth:`~composer_join.join.fit.FitSession.wants`), so the pass never sees it there;
 * ``BEFORE_BACKWARD`` and ``AFTER_*``: UnevenJoin runs last, so the gradient weight it puts on
   ``state.loss`` survives algorithms that rewrite the loss (MixUp's and CutMix's

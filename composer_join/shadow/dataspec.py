@@ -10,6 +10,11 @@ FSDP's padding) use the same functions:
   the call stack, :func:`composer_join.core.compat.train_data_spec`; or the evaluator's), found from inside one of
   Composer's events; an evaluator is the one whose ``DataSpec`` holds the dataloader itself (:func:`evaluator_for`:
   by identity, never by label, which two evaluators may share);
+* :func:`made_as_composer_makes_it`: a batch as the dataloader yields it, made into the first microbatch Composer
+  would make of it (the ``DataSpec``'s ``batch_transforms``, the device, its split, ``microbatch_transforms``): a
+  stand-in from a template a rank has not trained on (:class:`~composer_join.join.microbatches.Microbatches`);
+  :func:`transforms_batches`: whether a ``DataSpec`` transforms batches at all (then the counts Composer trains are
+  taken again after its transform, :mod:`composer_join.interop.replan`);
 * :func:`count_microbatches`: Composer's default split makes ``ceil(samples / microbatch size)``
   microbatches (computed, nothing split); a custom ``split_batch`` is called on the batch and its
   microbatches counted;
@@ -46,8 +51,10 @@ __all__ = [
     'count_microbatches',
     'count_samples',
     'evaluator_for',
+    'made_as_composer_makes_it',
     'spec_for',
     'split_gave_empty',
+    'transforms_batches',
     'unwrapped_split',
 ]
 
@@ -74,14 +81,41 @@ def spec_for(state: State, dataloader: Any, train: bool) -> DataSpec:
 
     ``train``: the Trainer's train ``DataSpec`` (on the call stack, :func:`composer_join.core.compat.train_data_spec`;
     ``dataloader`` may be one of UnevenJoin's over the user's, the rest of an epoch resumed elastically). Else (an
-    evaluation, ``predict()``): the ``DataSpec`` of the evaluator that holds ``dataloader`` (:func:`evaluator_for`).
-    ``DataSpec(dataloader)`` (Composer's defaults) where there is none (``predict()``'s).
+    evaluation, ``predict()``): the ``DataSpec`` of the evaluator that holds ``dataloader`` (:func:`evaluator_for`),
+    or the one ``predict()`` was given, if it holds ``dataloader`` (:func:`composer_join.core.compat.predict_data_spec`).
+    ``DataSpec(dataloader)`` (Composer's defaults) where there is none.
     """
     spec = compat.train_data_spec(state) if train else None
     if spec is None and not train:
         evaluator = evaluator_for(state, dataloader)
         spec = evaluator.dataloader if evaluator is not None else None
+        if spec is None:
+            predicting = compat.predict_data_spec(state)
+            spec = predicting if predicting is not None and predicting.dataloader is dataloader else None
     return spec if spec is not None else DataSpec(dataloader)
+
+
+def transforms_batches(spec: Optional[DataSpec]) -> bool:
+    """Whether ``spec`` has a ``batch_transforms`` of the user's (not Composer's no-op): what Composer counts and
+    trains is then the transformed batch, which may hold other samples than the dataloader yielded."""
+    return spec is not None and compat.transforms_batches(spec)
+
+
+def made_as_composer_makes_it(spec: DataSpec, batch: Any, to_device: Callable[[Any], Any], microbatch_size: Any) -> Any:
+    """``batch``, as the dataloader yields it, made into the first microbatch Composer makes of it.
+
+    Composer's loops, in order: ``spec.batch_transforms`` (right after the dataloader yields), ``to_device`` (the
+    trainer's ``batch_to_device``), ``split_batch`` with ``microbatch_size`` (the user's or Composer's, without
+    UnevenJoin's wrappers; none where the size is not a positive number, as in ``predict()``, which does not
+    split), ``spec.microbatch_transforms``. Cost: the user's transforms, once, on ``batch``.
+    """
+    batch = to_device(spec.batch_transforms(batch))
+    if isinstance(microbatch_size, (int, float)) and microbatch_size > 0:
+        try:
+            batch = next(iter(unwrapped_split(spec)(batch, microbatch_size)), batch)
+        except Exception:  # a split of the user's that refuses this small batch: the batch whole
+            pass
+    return spec.microbatch_transforms(batch)
 
 
 def unwrapped_split(spec: DataSpec) -> Callable[[Any, Any], Any]:

@@ -76,15 +76,34 @@ class Facts:
     ``DataLoader`` workers (each worker ends with its own partial batch, torch only warns). Where some rank's may,
     Composer's length cap is lifted while its loop starts (:func:`composer_join.join.loader.lift_cap`); elsewhere
     it stays, and a dataloader that yields more than the longest ``len()`` stops every rank with an error."""
+    forward: int = 0
+    """Train, under DDP's default way (no model code in a shadow microbatch): what this rank's probes of the model's
+    training forward found in the trainer's earlier fits (:class:`composer_join.shadow.shadow.ForwardProbe`): 0 never
+    probed, else 1 + a bitmask of the collectives seen (:data:`composer_join.shadow.shadow.COLLECTIVES`). Where some
+    rank saw one, every rank stops at the fit's first shadow step, also a rank that runs no forward in this fit."""
+    fresh: bool = False
+    """Train, under DDP's default way: this rank has seen no loss of the model yet (a new process, resumed from a
+    checkpoint, say), so if it shadows at the fit's first step its shadow microbatch runs the model on the template
+    (:class:`composer_join.wrappers.ddp.NoModelCode`), whose zero-weighted loss may reach a parameter no real sample
+    of the step used: every rank then takes such gradients back on that step."""
     label: str = field(default='train', compare=False)
     """The dataloader's label, for messages (not sent)."""
 
     def row(self) -> list[int]:
-        return [self.others, int(self.repeats), self.position, self.shadow, int(self.overcounts)]
+        return [
+            self.others,
+            int(self.repeats),
+            self.position,
+            self.shadow,
+            int(self.overcounts),
+            self.forward,
+            int(self.fresh),
+        ]
 
     @classmethod
     def from_row(cls, values: Sequence[int], label: str = 'train') -> Facts:
-        return cls(int(values[0]), bool(values[1]), int(values[2]), int(values[3]), bool(values[4]), label)
+        v = [int(x) for x in values]
+        return cls(v[0], bool(v[1]), v[2], v[3], bool(v[4]), v[5], bool(v[6]), label)
 
 
 def _value(name: str, code: int) -> str:

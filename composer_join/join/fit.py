@@ -147,6 +147,7 @@ class FitSession:
             if int(state.timestamp.sample_in_epoch) > 0:
                 self.loader.resume(own, saved)
         context.wrapper.start(state, train=True)
+        context.wrapper.agreed(state, self.loader.facts)  # what earlier fits taught each rank, alike on every rank
         refuse_incompatible(state.algorithms, TEMPLATE_SAMPLES)
 
     def _position(self) -> Any:

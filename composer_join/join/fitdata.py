@@ -196,7 +196,10 @@ def train_loader(
         rebalance=settings.mode == 'rebalance',
         settings=settings.row,
         facts=context.facts(
-            state, position=int(kind), shadow=SHADOW_WAYS.index(context.wrapper.shadow_way_name(state))
+            state,
+            position=int(kind),
+            shadow=SHADOW_WAYS.index(context.wrapper.shadow_way_name(state)),
+            **context.wrapper.learned(state),
         ),
         install=install,
         positions=lambda source, facts: rank_positions(state, source, candidate, facts),

@@ -108,3 +108,31 @@ def test_stock_branchy(runs):
     gap = max_abs_diff(per_rank[0]['params'], expected)
     print(f'stock: {per_rank[0]["samples"]} of {2 * sum(cfg["shards"])} samples trained; {gap:.2e} from its replay')
     assert per_rank[0]['samples'] < 2 * sum(cfg['shards'])
+
+
+def test_the_facts_round_trip_and_decide_alike_in_one_process():
+    """No ranks: a probe's finding encodes into the row and back; fresh ranks count at the fit's first step only."""
+    import torch
+
+    from composer_join.core.plan import RankStatus, StepPlan
+    from composer_join.core.settings import Facts, check, row
+    from composer_join.shadow.shadow import ForwardProbe
+    from composer_join.wrappers.ddp import FreshRanks
+
+    probe, other = ForwardProbe(torch.nn.Linear(2, 2)), ForwardProbe(torch.nn.Linear(2, 2))
+    assert probe.fact() == 0  # never probed
+    probe.learned, other.learned = frozenset({'all_reduce', 'broadcast'}), frozenset()
+    facts = [Facts(forward=probe.fact()), Facts(forward=other.fact(), fresh=True)]
+    settings = row(True, 'shadow', False, True)
+    every = check([settings + f.row() for f in facts])
+    assert every == facts
+    other.arm()
+    other.agree([f.forward for f in every])
+    assert other.communicates == ['all_reduce', 'broadcast'] and other.fact() == 1  # probed, found nothing itself
+    fresh = FreshRanks()
+    fresh.agree(every, step=3)
+    shadow1 = StepPlan(0, (RankStatus(True, 4, 1), RankStatus(False, 0, 1)))
+    fresh.start_step(shadow1, 3)
+    assert fresh.now
+    fresh.start_step(shadow1, 4)  # after the fit's first step every rank has seen a loss
+    assert not fresh.now

@@ -112,6 +112,9 @@ class FitSession:
     def _use(self, loader: JoinLoader) -> None:
         """Read ``loader`` from now on (its positions, its microbatches)."""
         self.loader, self.positions = loader, loader.positions
+        # some rank's trainer has algorithms besides UnevenJoin (the first agreement): every step's AFTER_DATALOADER
+        # re-gathers the counts (composer_join.interop.replan)
+        self.others = any(f.others for f in loader.facts)
         spec = spec_for(self.state, loader.dataloader, train=True)
         self.microbatches = Microbatches(self.state, loader, spec, self.context.rank)
 
@@ -186,7 +189,7 @@ class FitSession:
             self.watched = self._watch(state)
             return self.watched
         if event is Event.AFTER_DATALOADER:
-            return self.loader.others
+            return self.others
         if event is Event.AFTER_TRAIN_BATCH:
             return self.watched or self._fills(state)
         if key in _CHECKPOINT_IDS:

@@ -254,8 +254,8 @@ class JoinLoader:
         positions: train data that keeps its own position (:class:`~composer_join.data.resume.RankPositions`):
             the user's dataloader is opened through it.
         report: the current epoch's report, if it goes on (a checkpoint's, resumed).
-        facts: every rank's :class:`~composer_join.core.settings.Facts` from the first agreement (:attr:`others`; the
-            wrapper's at a fit's start).
+        facts: every rank's :class:`~composer_join.core.settings.Facts` from the first agreement (some rank's trainer
+            has other algorithms; what the wrapper learned, for a fit's start).
     """
 
     def __init__(
@@ -290,12 +290,6 @@ class JoinLoader:
         return EpochReport(epoch=epoch, world_size=layout.members, tensor_parallel=layout.tp)
 
     # -- what the algorithm reads ---------------------------------------------------------------------
-
-    @property
-    def others(self) -> bool:
-        """Some rank's trainer has algorithms besides UnevenJoin (the first agreement): every step's
-        ``AFTER_DATALOADER`` re-gathers the counts (:mod:`composer_join.interop.replan`)."""
-        return any(f.others for f in self.facts)
 
     @property
     def dataloader(self) -> Any:

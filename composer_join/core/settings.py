@@ -81,17 +81,35 @@ class Facts:
     counts, so the batch it trains may hold other samples than the one the dataloader yielded (two views of each,
     say). Where some rank's has one, every rank counts again at every ``AFTER_DATALOADER``, after the transform, as
     for :attr:`others`."""
+    forward: int = 0
+    """Train, under DDP's default way (no model code in a shadow microbatch): what this rank's probes of the model's
+    training forward found in the trainer's earlier fits (:class:`composer_join.shadow.shadow.ForwardProbe`): 0 never
+    probed, else 1 + a bitmask of the collectives seen (:data:`composer_join.shadow.shadow.COLLECTIVES`). Where some
+    rank saw one, every rank stops at the fit's first shadow step, also a rank that runs no forward in this fit."""
+    fresh: bool = False
+    """Train, under DDP's default way: this rank has seen no loss of the model yet (a new process, resumed from a
+    checkpoint, say), so if it shadows at the fit's first step its shadow microbatch runs the model on the template
+    (:class:`composer_join.wrappers.ddp.NoModelCode`), whose zero-weighted loss may reach a parameter no real sample
+    of the step used: every rank then takes such gradients back on that step."""
     label: str = field(default='train', compare=False)
     """The dataloader's label, for messages (not sent)."""
 
     def row(self) -> list[int]:
-        return [self.others, int(self.repeats), self.position, self.shadow, int(self.overcounts), int(self.transforms)]
+        return [
+            self.others,
+            int(self.repeats),
+            self.position,
+            self.shadow,
+            int(self.overcounts),
+            int(self.transforms),
+            self.forward,
+            int(self.fresh),
+        ]
 
     @classmethod
     def from_row(cls, values: Sequence[int], label: str = 'train') -> Facts:
-        return cls(
-            int(values[0]), bool(values[1]), int(values[2]), int(values[3]), bool(values[4]), bool(values[5]), label
-        )
+        v = [int(x) for x in values]
+        return cls(v[0], bool(v[1]), v[2], v[3], bool(v[4]), bool(v[5]), v[6], bool(v[7]), label)
 
 
 def _value(name: str, code: int) -> str:

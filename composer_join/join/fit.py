@@ -113,6 +113,9 @@ class FitSession:
     def _use(self, loader: JoinLoader) -> None:
         """Read ``loader`` from now on (its positions, its microbatches)."""
         self.loader, self.positions = loader, loader.positions
+        # some rank's trainer has algorithms besides UnevenJoin, or its DataSpec a batch_transforms (the first
+        # agreement): every step's AFTER_DATALOADER counts again what Composer trains (composer_join.interop.replan)
+        self.recounts = any(f.others or f.transforms for f in loader.facts)
         spec = spec_for(self.state, loader.dataloader, train=True)
         self.microbatches = Microbatches(self.state, loader, spec, self.context.rank)
 
@@ -148,6 +151,7 @@ class FitSession:
             if int(state.timestamp.sample_in_epoch) > 0:
                 self.loader.resume(own, saved)
         context.wrapper.start(state, train=True)
+        context.wrapper.agreed(state, self.loader.facts)  # what earlier fits taught each rank, alike on every rank
         refuse_incompatible(state.algorithms, TEMPLATE_SAMPLES)
 
     def _position(self) -> Any:
@@ -186,7 +190,7 @@ class FitSession:
             self.watched = self._watch(state)
             return self.watched
         if event is Event.AFTER_DATALOADER:
-            return self.loader.recounts
+            return self.recounts
         if event is Event.AFTER_TRAIN_BATCH:
             return self.watched or self._fills(state)
         if key in _CHECKPOINT_IDS:

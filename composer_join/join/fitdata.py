@@ -201,6 +201,7 @@ def train_loader(
             position=int(kind),
             shadow=SHADOW_WAYS.index(context.wrapper.shadow_way_name(state)),
             transforms=transforms_batches(compat.train_data_spec(state)),
+            **context.wrapper.learned(state),
         ),
         install=install,
         positions=lambda source, facts: rank_positions(state, source, candidate, facts),

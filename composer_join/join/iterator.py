@@ -35,7 +35,7 @@ import functools
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Optional, Union, cast
 
@@ -44,6 +44,7 @@ from composer_join.core.changes import Changes
 from composer_join.core.plan import RankStatus, StepPlan
 from composer_join.core.protocol import Exchange, Protocol, Rules, Ticket
 from composer_join.core.report import EpochReport
+from composer_join.core.settings import Facts
 from composer_join.core.source import IDLE, BatchSource, Failed
 from composer_join.data.resume import Progress, RankPositions, Start
 from composer_join.interop.metrics import MetricStates
@@ -253,9 +254,8 @@ class JoinLoader:
         positions: train data that keeps its own position (:class:`~composer_join.data.resume.RankPositions`):
             the user's dataloader is opened through it.
         report: the current epoch's report, if it goes on (a checkpoint's, resumed).
-        recounts: some rank's trainer has algorithms besides UnevenJoin, or its ``DataSpec`` a ``batch_transforms``
-            (the first agreement): every step's ``AFTER_DATALOADER`` takes the counts again, of the batch Composer
-            trains (:mod:`composer_join.interop.replan`).
+        facts: every rank's :class:`~composer_join.core.settings.Facts` from the first agreement (some rank's trainer
+            has other algorithms; what the wrapper learned, for a fit's start).
     """
 
     def __init__(
@@ -267,11 +267,11 @@ class JoinLoader:
         learned: Optional[Learned] = None,
         positions: Optional[RankPositions] = None,
         report: Optional[EpochReport] = None,
-        recounts: bool = False,
+        facts: Sequence[Facts] = (),
     ):
         self.source, self.glue, self.rules, self.exchange = source, glue, rules, exchange
         self.learned = learned if learned is not None else Learned()
-        self.positions, self.recounts = positions, recounts
+        self.positions, self.facts = positions, tuple(facts)
         self.report = report or self._new_report(0)
         self.epoch = self.report.epoch
         # the current step's register of changes: made when a step's batch is yielded, undone when Composer asks for

@@ -189,7 +189,7 @@ def join_dataloader(
         learned=learned,
         positions=positions(source, every),
         report=report,
-        recounts=any(f.others or f.transforms for f in every),
+        facts=every,
     )
     state.set_dataloader(loader, label, -1 if lengths.shared is None else lengths.shared)
     log.info(

@@ -30,6 +30,7 @@ then :func:`connected_zero_loss`, never the model's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -93,20 +94,49 @@ them; :func:`~composer_join.shadow.zero_samples.zero_sample_error` quiets them).
 
 
 class ForwardProbe:
-    """Notes the ``torch.distributed`` collectives a module's forward issues, during its first forward only.
+    """Notes the ``torch.distributed`` collectives a module's forward issues, during the first training forward of a fit.
 
     Under DDP a shadow microbatch runs no forward, so a forward that communicates (and is not
     marked, see :func:`forward_communicates`) would leave the other ranks' collectives unmatched.
-    Every rank runs a forward in its first microbatch of a fit (a real one, or, with no data, the
-    template's), so every rank learns the same :attr:`found`. Cost: two hooks that check a flag;
-    the first forward of each fit wraps the collective functions while it runs.
+    :meth:`arm` it at every fit's start: it probes this rank's first training forward of the fit (:attr:`found`),
+    and keeps what every probe of the trainer found (:attr:`learned`). A rank that shadows from a fit's first step
+    and has seen a loss of the model before runs no forward in that fit, so it cannot probe; every rank therefore
+    sends what it learned in earlier fits (:meth:`fact`) in the fit's first agreement, and :meth:`agree` takes every
+    rank's: :attr:`communicates` is the same on every rank from the first step on (a rank that has seen no loss
+    runs its first shadow microbatch on the template, a forward, so it probes with the others). Cost: two hooks
+    that check a flag; the first forward of each fit wraps the collective functions while it runs.
     """
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
         self.armed = False
         self.found: list[str] = []
+        self.learned: Optional[frozenset[str]] = None  # what every probe of this trainer found; None: none finished
+        self.agreed: frozenset[str] = frozenset()  # what every rank had learned before this fit (its first agreement)
         self._saved: dict[str, Any] = {}
+
+    def arm(self) -> None:
+        """A fit starts: probe its first training forward."""
+        self.armed, self.found, self.agreed = True, [], frozenset()
+
+    def fact(self) -> int:
+        """What this rank learned in earlier fits, for the first agreement
+        (:class:`~composer_join.core.settings.Facts` ``forward``): 0 never probed, else 1 + a bitmask of
+        :data:`COLLECTIVES`."""
+        if self.learned is None:
+            return 0
+        return 1 + sum(1 << i for i, name in enumerate(COLLECTIVES) if name in self.learned)
+
+    def agree(self, facts: Sequence[int]) -> None:
+        """Every rank's :meth:`fact`, from the fit's first agreement."""
+        self.agreed = frozenset(
+            name for code in facts if code > 0 for i, name in enumerate(COLLECTIVES) if (code - 1) >> i & 1
+        )
+
+    @property
+    def communicates(self) -> list[str]:
+        """The collectives a training forward of the model issues, as far as any rank knows (sorted)."""
+        return sorted(self.agreed | set(self.found))
 
     def attach(self, changes: Changes) -> None:
         """Hook the module until ``changes`` is undone; undoing also puts back any collective wrapped meanwhile."""
@@ -139,6 +169,7 @@ class ForwardProbe:
             return
         self._restore()
         self.armed = False
+        self.learned = (self.learned or frozenset()) | frozenset(self.found)
 
     def _restore(self) -> None:
         import torch.distributed as tdist

@@ -35,6 +35,7 @@ from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.exchange import TorchExchange
 from composer_join.core.plan import StepPlan
+from composer_join.core.settings import Facts
 from composer_join.interop.oom import OOMChecks
 from composer_join.shadow.buffers import BufferGuard
 from composer_join.shadow.gradients import UnusedParameters, no_sparse_rows, share_grad_presence
@@ -55,6 +56,7 @@ __all__ = [
     'BufferSource',
     'DDPMicrobatch',
     'DDPWrapper',
+    'FreshRanks',
     'MicrobatchSync',
     'NoModelCode',
     'ShadowWay',
@@ -296,6 +298,30 @@ def shadow_way(ddp: DistributedDataParallel) -> ShadowWay:
     return ZeroSamples(sparse=sparse) if name == ZeroSamples.name else ShadowWay(sparse=sparse)
 
 
+class FreshRanks:
+    """The ranks that had seen no loss of the model when a fit started (every rank's
+    :class:`~composer_join.core.settings.Facts` ``fresh``): if one shadows at the fit's first step, its shadow
+    microbatch runs the model on the template (:meth:`NoModelCode.current`: its stand-in loss has no structure yet),
+    whose zero-weighted loss may reach a parameter no real sample of the step used. Every rank knows it from the
+    agreed facts, so every rank takes such gradients back on that step (:meth:`DDPWrapper.unused_needed`). After the
+    fit's first step every rank has seen a loss (every rank runs a microbatch at every step, real or on the
+    template). No communication.
+    """
+
+    def __init__(self):
+        self.ranks: frozenset[int] = frozenset()
+        self.step = -1  # timestamp.batch of the fit's first step
+        self.now = False  # the step begun: a fresh rank shadows in it
+
+    def agree(self, facts: Sequence[Facts], step: int) -> None:
+        """Every rank's facts from the fit's first agreement; ``step``: the fit's first ``timestamp.batch``."""
+        self.ranks = frozenset(r for r, f in enumerate(facts) if f.fresh)
+        self.step = step
+
+    def start_step(self, plan: StepPlan, step: int) -> None:
+        self.now = step == self.step and any(r in self.ranks for r in plan.joined_ranks)
+
+
 class DDPWrapper(Wrapper):
     """UnevenJoin's DDP-specific part: buffer source and syncs, inert shadow microbatches, per-microbatch gradient sync.
 
@@ -326,6 +352,7 @@ class DDPWrapper(Wrapper):
         self.unused = UnusedParameters([])  # on steps with a shadowing rank: no gradient where no real sample was
         self.strategy: Optional[str] = None  # Composer's ddp_sync_strategy (None: not known)
         self.zero = ZeroSampleCheck()  # the 'zero' way: whether every rank's model takes zero samples
+        self.fresh = FreshRanks()  # ranks whose first shadow microbatch of this fit runs the model (agreed)
 
     def state_dict(self) -> dict[str, Any]:
         return {'buffer_source': self.source.rank}
@@ -335,6 +362,20 @@ class DDPWrapper(Wrapper):
 
     def shadow_way_name(self, state: State) -> str:
         return self.way.name if state.model is self.hooked else way_name(state.model)
+
+    def learned(self, state: State) -> dict[str, Any]:
+        """What this rank learned of the model in earlier fits (no loss seen yet: ``fresh``; its forward's
+        collectives: ``forward``), where its shadow microbatches run no model code (the default way)."""
+        if way_name(state.model) != NoModelCode.name:
+            return {}
+        if state.model is not self.hooked:
+            return {'fresh': True}
+        return {'forward': self.probe.fact() if self.probe is not None else 0, 'fresh': not self.way.loss_shape.known}
+
+    def agreed(self, state: State, facts: Sequence[Facts]) -> None:
+        if self.probe is not None:
+            self.probe.agree([f.forward for f in facts])
+        self.fresh.agree(facts, int(state.timestamp.batch))
 
     def start(self, state: State, train: bool) -> None:
         if not train:  # an evaluation reads the buffers: the same on every rank
@@ -351,7 +392,7 @@ class DDPWrapper(Wrapper):
             keep = self.way.pads  # SyncBatchNorm's statistics are global: a shadow forward on zero samples keeps them
             self.guard = BufferGuard(ddp.module, keep=lambda m: keep and isinstance(m, torch.nn.SyncBatchNorm))
         if self.probe is not None:
-            self.probe.armed, self.probe.found = True, []
+            self.probe.arm()
         self.zero.reset()
         self.strategy = compat.ddp_sync_strategy(state)
 
@@ -411,6 +452,7 @@ class DDPWrapper(Wrapper):
             plan, self.rank, self.strategy, TorchExchange(state.device.tensor_to_device)
         )
         self.sync.start_step(follow)
+        self.fresh.start_step(plan, step)
         self.unused.start_step()
         self.oom.start_step()
         if self.guard is not None and self.guard.armed:  # a retry after an OOM in a shadow microbatch
@@ -422,10 +464,10 @@ class DDPWrapper(Wrapper):
 
     def communicating_forward(self, plan: StepPlan) -> UnevenInputsError:
         """The error for a shadow step of a model whose forward issues collectives no marked module explains."""
-        kinds = ', '.join(sorted(set(self.probe.found)))
+        kinds = ', '.join(self.probe.communicates)
         return UnevenInputsError(
             f"at step {plan.step} rank(s) {plan.joined_ranks} must shadow, but the model's forward issues collectives "
-            f'({kinds}, seen in its first forward on every rank). Under DDP a shadow microbatch runs no forward, so '
+            f'({kinds}, seen in a training forward of this fit or of an earlier fit on this trainer). Under DDP a shadow microbatch runs no forward, so '
             f'they would not be matched. If the forward all-reduces statistics and accepts a zero-sample input that '
             f'contributes nothing (as torch.nn.SyncBatchNorm does), set shadow_forward = True on that module: shadow '
             f'microbatches then run the forward on zero samples. A forward that exchanges activations shaped like its '
@@ -434,8 +476,9 @@ class DDPWrapper(Wrapper):
 
     def unused_needed(self, plan: StepPlan) -> bool:
         """Whether this step takes back gradients no real sample gave (the same on every rank): some rank shadows by
-        running the model (this way does, or a rank with no loss of its own yet runs the template)."""
-        runs_model = self.way.runs_model or any(s.needs_template for s in plan.statuses)
+        running the model (this way does, or a rank with no loss of its own yet runs the template: one that never saw a
+        batch, in the step's agreed rows, or one that had seen no loss when the fit started, :class:`FreshRanks`)."""
+        runs_model = self.way.runs_model or self.fresh.now or any(s.needs_template for s in plan.statuses)
         return runs_model and UnusedParameters.needed(plan)
 
 
@@ -456,7 +499,7 @@ class DDPMicrobatch(Microbatch):
             padded = w.padding is not None and w.padding.uneven
             w.zero.raise_if_needed(plan, bool(plan.joined_ranks) or padded)
         w.sync.before_forward(self.state.model, plan, w.rank, self.samples, self.stand_ins)
-        if w.probe is not None and w.probe.found and plan.joined_ranks:
+        if w.probe is not None and plan.joined_ranks and w.probe.communicates:
             raise w.communicating_forward(plan)
         if self.way is not None:
             self.way.begin(self.state, self.stand_ins)

@@ -25,7 +25,9 @@ The contract. :class:`~composer_join.UnevenJoin`'s run picks one wrapper with
 
     wrapper.load_state_dict(saved)              # once chosen: what a checkpoint held ({} if none)
     wrapper.shadow_way_name(state)              # FIT_START, for the first agreement (how shadow microbatches run)
+    wrapper.learned(state)                      # FIT_START, for the first agreement (what earlier fits taught it)
     wrapper.start(state, train)                 # FIT_START (train), EVAL_START, PREDICT_START: idempotent
+    wrapper.agreed(state, facts)                # FIT_START, after start: every rank's facts from the first agreement
     wrapper.install(changes, state, plan, train)  # each iteration over a dataloader opens, with its register
     wrapper.watches(state, plan)                # BEFORE_TRAIN_BATCH of a step where no rank shadows: needed?
     wrapper.begin_step(state, plan)             # BEFORE_TRAIN_BATCH of a step UnevenJoin runs in
@@ -57,13 +59,14 @@ Example (what a session does for one microbatch of a step it runs in)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from composer.core import DataSpec, State
 
 from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan
+from composer_join.core.settings import Facts
 
 __all__ = ['Microbatch', 'Wrapper']
 
@@ -116,6 +119,16 @@ class Wrapper:
         :data:`composer_join.core.settings.SHADOW_WAYS`); asked before :meth:`start`, for the first agreement
         (the collectives a shadow microbatch issues follow from it: it must be the same on every rank)."""
         return 'none'
+
+    def learned(self, state: State) -> dict[str, Any]:
+        """What this rank learned of the model in the trainer's earlier fits that decides a shadow microbatch's
+        collectives or take-backs, as :class:`~composer_join.core.settings.Facts` fields for the fit's first agreement
+        (``forward``, ``fresh``); asked before :meth:`start`."""
+        return {}
+
+    def agreed(self, state: State, facts: Sequence[Facts]) -> None:
+        """``FIT_START``, after :meth:`start`: every rank's facts from the fit's first agreement, to decide from
+        alike on every rank."""
 
     def start(self, state: State, train: bool) -> None:
         """``FIT_START`` (``train``), ``EVAL_START`` or ``PREDICT_START``: attach to the model as Composer wrapped

@@ -146,7 +146,8 @@ def sequence(cfg: dict) -> dict[str, Any]:
     ``schedule``, ``spin``), ``counter`` (a :class:`~composer_join.CollectiveCounter` among the callbacks), ``calls``
     (``['fit', kwargs]``, ``['eval', name]``, ``['predict', name]``; a fit's
     ``train`` and ``schedule`` name a loader and a schedule), ``raise_at`` (an event at which a callback raises once;
-    the call it raises in is run again).
+    the call it raises in is run again), ``resume`` (``{'folder': ..., 'at': '2ba'}``: a first trainer built alike
+    fits that long and saves a checkpoint there; the trainer the calls run on loads it: a mid-epoch resume).
     """
     rank, rot = dist.get_global_rank(), cfg.get('rot', 0)
     loaders = {name: loader(spec, rank, rot) for name, spec in cfg['loaders'].items()}
@@ -159,21 +160,39 @@ def sequence(cfg: dict) -> dict[str, Any]:
     if cfg.get('raise_at'):
         callbacks.append(Raises(cfg['raise_at']))
     ctor = cfg['trainer']
-    torch.manual_seed(0)
-    model = ToyModel('mlp')
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    trainer = quiet_trainer(
-        model=model,
-        optimizers=optimizer,
-        train_dataloader=loaders[ctor['train']],
-        eval_dataloader=loaders[ctor['eval']] if ctor.get('eval') else None,
-        eval_interval=ctor.get('eval_interval', 1),
-        max_duration=ctor.get('max_duration'),
-        schedulers=_schedule(ctor.get('schedule')),
-        spin_dataloaders=ctor.get('spin', True),
-        algorithms=algorithms,
-        callbacks=callbacks,
-    )
+
+    def build(algorithms: list[Any], callbacks: list[Any], **extra: Any) -> tuple[Any, ToyModel]:
+        torch.manual_seed(0)
+        model = ToyModel('mlp')
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        trainer = quiet_trainer(
+            model=model,
+            optimizers=optimizer,
+            train_dataloader=loaders[ctor['train']],
+            eval_dataloader=loaders[ctor['eval']] if ctor.get('eval') else None,
+            eval_interval=ctor.get('eval_interval', 1),
+            max_duration=ctor.get('max_duration'),
+            schedulers=_schedule(ctor.get('schedule')),
+            spin_dataloaders=ctor.get('spin', True),
+            algorithms=algorithms,
+            callbacks=callbacks,
+            **extra,
+        )
+        return trainer, model
+
+    resume, extra = cfg.get('resume'), {}
+    if resume is not None:  # a first trainer saves a checkpoint mid-epoch; the one the calls run on loads it
+        first, _ = build(
+            [UnevenJoin(**cfg['join'])] if cfg.get('join') is not None else [],
+            [],
+            save_folder=resume['folder'],
+            save_interval=resume['at'],
+            save_overwrite=True,
+        )
+        first.fit(duration=resume['at'])
+        first.close()
+        extra = {'load_path': f'{resume["folder"]}/ep0-ba{resume["at"][:-2]}-rank0.pt'}
+    trainer, model = build(algorithms, callbacks, **extra)
     raised, results, lrs = [], [], []
     for kind, arg in cfg['calls']:
         for attempt in range(2):

@@ -3,7 +3,8 @@
 Two real ranks, one launch (``scenarios_composer_view``):
 
 * **Differential, on even data**: every scenario (train, evaluation, ``predict()``, two fits and a third, a fit in
-  pieces with and without ``spin_dataloaders``, a raise then a retry, at an epoch's start and mid-epoch, an algorithm
+  pieces with and without ``spin_dataloaders``, a raise then a retry, at an epoch's start and mid-epoch, a mid-epoch
+  resume from a checkpoint in a new trainer, an algorithm
   that checks the loader's type as RandAugment does) runs with stock Composer and with UnevenJoin in both modes; a
   callback records at every event what a callback can read, and the records must be equal event by event. The one
   intended difference (docs/how-it-works.md, "What Composer reads, and when"): inside a fit (from ``FIT_START`` to
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 import re
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -69,7 +71,10 @@ DIFFERENTIAL: dict[str, dict] = {
         trainer=dict(train='A', max_duration='2ep'), calls=[['fit', {}]], raise_at='epoch_start'
     ),
     'raise_mid_epoch': dict(trainer=dict(train='A', max_duration='2ep'), calls=[['fit', {}]], raise_at='batch_end'),
+    # a checkpoint of batch 2 (mid-epoch), loaded by a new trainer that trains on
+    'resume': dict(trainer=dict(train='A', max_duration='2ep'), calls=[['fit', {}]], resume={'at': '2ba'}),
 }
+_FOLDER = tempfile.mkdtemp(prefix='composer-view-')  # the checkpoints, one folder per scenario below it
 
 # per world size: the constructor's even loader, the uneven one (every rank short once, by rotation)
 UNEVEN = {
@@ -101,6 +106,9 @@ def _scenarios(world: int) -> dict[str, dict]:
     for name, cfg in DIFFERENTIAL.items():
         for mode, join in MODES.items():
             out[f'{world}:even:{name}:{mode}'] = dict(cfg, loaders=EVEN, join=join)
+            if 'resume' in cfg:
+                folder = f'{_FOLDER}/{world}-{name}-{mode}'
+                out[f'{world}:even:{name}:{mode}']['resume'] = dict(cfg['resume'], folder=folder)
     uneven = UNEVEN[world]
     for name, cfg in SCHEDULED.items():
         for rot in range(world):
@@ -163,6 +171,9 @@ def test_on_even_data_every_event_reads_what_it_reads_without_unevenjoin(runs, n
     for rank, (stock, join) in enumerate(zip(stock_runs, join_runs)):
         where = f'{name} ({mode}, {world} ranks), rank {rank}'
         assert join['raised'] == stock['raised'], where
+        if 'resume' in DIFFERENTIAL[name]:  # the trainer resumed mid-epoch, at the checkpoint's batch
+            first = next(r for r in join['view'] if r['event'] == 'batch_start')
+            assert first['timestamp'][1:3] == (2, 2), f'{where}: {first["timestamp"]}'
         assert len(join['view']) == len(stock['view']), (
             f'{where}: {len(join["view"])} events, stock {len(stock["view"])}'
         )

@@ -70,13 +70,11 @@ class EvalSession:
         size: Any = (lambda: evaluator.device_eval_microbatch_size) if evaluator is not None else -1
         own = evaluator.dataloader if evaluator is not None else None  # the evaluator's DataSpec (predict(): none)
         self.loader: Optional[JoinLoader] = join_dataloader(
-            state,
+            context,
+            context.facts(state, repeats=pads_by_repeating(state.dataloader)),
+            lambda changes: context.wrapper.install(changes, state, self.plan, train=False, spec=own),
             earlier,
             microbatch_size=size,
-            settings=context.settings.row,
-            facts=context.facts(state, repeats=pads_by_repeating(state.dataloader)),
-            install=lambda changes: context.wrapper.install(changes, state, self.plan, train=False, spec=own),
-            layout=context.layout,
         )
         loader = self.loader
         # the DataSpec the loader counts with (predict(): Composer's defaults)

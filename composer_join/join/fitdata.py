@@ -50,7 +50,7 @@ from composer_join.data.positions import (
 )
 from composer_join.data.resume import RankPositions, Resumed, train_position
 from composer_join.join.context import Context
-from composer_join.join.loader import JoinLoader, join_dataloader
+from composer_join.join.loader import JoinLoader, TrainData, join_dataloader
 from composer_join.shadow.dataspec import transforms_batches
 
 __all__ = [
@@ -189,21 +189,14 @@ def train_loader(
     user = state.train_dataloader
     candidate = own_position(state, context.layout, rest, reused)
     kind = kind_of(candidate, user, compat.dataset_of(state, user))
-    settings = context.settings
-    loader = join_dataloader(
+    facts = context.facts(
         state,
-        earlier,
-        settings.throw,
-        rebalance=settings.mode == 'rebalance',
-        settings=settings.row,
-        facts=context.facts(
-            state,
-            position=int(kind),
-            shadow=SHADOW_WAYS.index(context.wrapper.shadow_way_name(state)),
-            transforms=transforms_batches(compat.train_data_spec(state)),
-            **context.wrapper.learned(state),
-        ),
-        install=install,
+        position=int(kind),
+        shadow=SHADOW_WAYS.index(context.wrapper.shadow_way_name(state)),
+        transforms=transforms_batches(compat.train_data_spec(state)),
+        **context.wrapper.learned(state),
+    )
+    train = TrainData(
         positions=lambda source, facts: rank_positions(state, source, candidate, facts),
         start=lambda: train_position(state, finished),
         # (at a boundary on another world size, the report of a finished epoch of the old ranks is not this one)
@@ -212,8 +205,8 @@ def train_loader(
         length=None if cap is None else int(cap),
         offset=int(state.timestamp.batch_in_epoch) if rest is not None and rest.indices is not None else 0,
         unsized=rest is not None and rest.indices is None,
-        layout=context.layout,
     )
+    loader = join_dataloader(context, facts, install, earlier, train=train)
     assert loader is not None  # (only an evaluation's dataloader can be left to Composer)
     return loader
 

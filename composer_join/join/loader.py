@@ -27,14 +27,14 @@ peeks a batch past it stops every rank with an error naming it (it would be drop
 
 Example (what the algorithm does at ``Event.FIT_START`` and ``Event.EVAL_START``)::
 
-    loader = join_dataloader(state)  # wraps state.dataloader and puts the wrapper in its place
+    loader = join_dataloader(context, context.facts(state))  # wraps state.dataloader, puts the wrapper in its place
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any, Optional, cast
 
 import torch
@@ -55,6 +55,7 @@ from composer_join.data.positions import Kind
 from composer_join.data.resume import RankPositions, Start
 from composer_join.data.sampler import shard_by_layout
 from composer_join.interop.metrics import MetricStates
+from composer_join.join.context import Context
 from composer_join.join.iterator import TEMPLATE_SAMPLES, Glue, JoinLoader, Learned, StepRecord
 from composer_join.rebalance.readahead import rebalanced_without_len
 from composer_join.rebalance.rebalance import rebalanced
@@ -68,6 +69,7 @@ __all__ = [
     'Learned',
     'Lengths',
     'StepRecord',
+    'TrainData',
     'batch_source',
     'join_dataloader',
     'lift_cap',
@@ -78,52 +80,62 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TrainData:
+    """What a fit's train loader needs beyond an evaluation's (:func:`composer_join.join.fitdata.train_loader` makes
+    it for :func:`join_dataloader`)."""
+
+    positions: Callable[[BatchSource, list[Facts]], Optional[RankPositions]] = lambda source, facts: None
+    """``(source, facts) ->`` the per-rank positions of train data that keeps one, for the chosen source, from every
+    rank's facts."""
+    start: Optional[Callable[[], Start]] = None
+    """Where each iteration starts in its epoch (:attr:`~composer_join.join.iterator.Glue.start`)."""
+    report: Optional[EpochReport] = None
+    """The current epoch's report, where it goes on (a checkpoint's)."""
+    dataloader: Optional[Iterable] = None
+    """This one instead of ``state.dataloader`` (the rest of an epoch resumed on another world size, or the epochs
+    after it), with Composer's cap :attr:`length` (default: its whole length)."""
+    length: Optional[int] = None
+    offset: int = 0
+    """The iteration's first batch is step ``offset`` of the epoch (the rest of an epoch resumed elastically)."""
+    unsized: bool = False
+    """Its length is not known (the rest of an epoch a dataset resumed itself on another world size): every step
+    agreed."""
+
+
 def join_dataloader(
-    state: State,
-    cached: Optional[JoinLoader] = None,
-    throw: bool = False,
-    microbatch_size: Any = None,
-    rebalance: bool = False,
-    settings: Sequence[int] = (),
-    facts: Optional[Facts] = None,
+    context: Context,
+    facts: Facts,
     install: Callable[[Changes], None] = lambda changes: None,
-    positions: Callable[[BatchSource, list[Facts]], Optional[RankPositions]] = lambda source, facts: None,
-    start: Optional[Callable[[], Start]] = None,
-    report: Optional[EpochReport] = None,
-    dataloader: Optional[Iterable] = None,
-    length: Optional[int] = None,
-    offset: int = 0,
-    unsized: bool = False,
-    layout: Optional[Layout] = None,
+    cached: Optional[JoinLoader] = None,
+    microbatch_size: Any = None,
+    train: Optional[TrainData] = None,
 ) -> Optional[JoinLoader]:
     """Wrap ``state.dataloader`` in a :class:`JoinLoader` and set it, with the shared length, in its place.
 
     Called on every rank at the same point (fit, evaluation or ``predict()`` start): one collective to agree on
-    the longest rank's length, which also carries every rank's ``settings`` and ``facts``
-    (:class:`~composer_join.core.settings.Facts`); None (nothing wrapped) where every rank's dataloader repeats
-    samples to even out the shards (``facts.repeats``: Composer's evaluation drops the repeats).
+    the longest rank's length, which also carries every rank's settings (``context.settings``, checked to be the same
+    on every rank) and ``facts`` (:class:`~composer_join.core.settings.Facts`); None (nothing wrapped) where every
+    rank's dataloader repeats samples to even out the shards (``facts.repeats``: Composer's evaluation drops the
+    repeats).
 
-    ``cached``: a loader made earlier; if it is over the same dataloader object, what was learned from its batches
-    (:class:`Learned`) is kept. ``throw`` is ``throw_on_early_termination``. Microbatch counts are predicted with
-    ``microbatch_size`` (an evaluator's, or a callable giving the size in force), and batches counted and split with
-    the ``DataSpec`` of the evaluator that holds the dataloader (:func:`~composer_join.shadow.dataspec.spec_for`); by
-    default (None) the dataloader is the train one: the train microbatch size in force, the Trainer's train
-    ``DataSpec``. ``rebalance``: ``mode='rebalance'`` (:func:`batch_source` picks the source).
-    ``settings``: UnevenJoin's (:func:`composer_join.core.settings.row`), checked to be the same on every
-    rank in the same collective. ``install(changes)``: the algorithm's changes for each iteration, made
-    through ``changes`` (:attr:`~composer_join.join.iterator.Glue.opened`). ``positions(source, facts)``: the
-    per-rank positions of train data that keeps one, for the chosen source, from every rank's facts. ``start``
-    (:attr:`~composer_join.join.iterator.Glue.start`) and ``report``: :class:`JoinLoader`'s. ``dataloader``:
-    this one instead of ``state.dataloader``, with Composer's cap ``length`` (default: its whole length), whose
-    first batch is step ``offset`` of the epoch (the rest of an epoch resumed on another world size). ``unsized``:
-    its length is not known (the rest of an epoch a dataset resumed itself on another world size): every step
-    agreed. ``layout``: the data-parallel members (:func:`~composer_join.core.layout.trainer_layout`; default every
-    rank its own): under tensor parallelism the ranks of a member must have the same length, and an
-    :class:`~composer_join.ExactDistributedSampler` left to its defaults shards over members
-    (:func:`~composer_join.data.sampler.shard_by_layout`, for the length agreement and each iteration; Composer's
-    cap, read under the world's sharding, follows).
+    ``install(changes)``: the algorithm's changes for each iteration, made through ``changes``
+    (:attr:`~composer_join.join.iterator.Glue.opened`). ``cached``: a loader made earlier; if it is over the same
+    dataloader object, what was learned from its batches (:class:`Learned`) is kept. ``train``: the train dataloader
+    (:class:`TrainData`): its microbatch size in force, the Trainer's train ``DataSpec``, ``throw_on_early_termination``
+    and ``mode='rebalance'`` (:func:`batch_source` picks the source); else an evaluation's or ``predict()``'s, whose
+    microbatch counts are predicted with ``microbatch_size`` (an evaluator's, or a callable giving the size in force)
+    and whose batches are counted and split with the ``DataSpec`` of the evaluator that holds the dataloader
+    (:func:`~composer_join.shadow.dataspec.spec_for`). ``context.layout``: the data-parallel members: under tensor
+    parallelism the ranks of a member must have the same length, and an :class:`~composer_join.ExactDistributedSampler`
+    left to its defaults shards over members (:func:`~composer_join.data.sampler.shard_by_layout`, for the length
+    agreement and each iteration; Composer's cap, read under the world's sharding, follows).
     """
-    layout = layout if layout is not None else Layout.flat(dist.get_world_size())
+    state, layout, settings = context.state, context.layout, context.settings
+    data = train if train is not None else TrainData()
+    throw = train is not None and settings.throw
+    rebalance = train is not None and settings.mode == 'rebalance'
+    dataloader, length, offset, unsized = data.dataloader, data.length, data.offset, data.unsized
     rank = dist.get_global_rank()
     current = None if state.dataloader_len is None else int(state.dataloader_len)
     if dataloader is not None:
@@ -139,20 +151,20 @@ def join_dataloader(
     current = None if unsized else current
     if rebalance and own_len is not None and current is not None:
         own_len = min(own_len, current)  # the batches of its shard this rank contributes per epoch
-    facts = replace(facts if facts is not None else Facts(), overcounts=may_overcount(dataloader))
+    facts = replace(facts, overcounts=may_overcount(dataloader))
     shared, check_overflow, own_lens, every = agree_on_length(
-        own_len, current, state.device.tensor_to_device, settings, facts
+        own_len, current, state.device.tensor_to_device, settings.row, facts
     )
     if every and all(f.repeats for f in every):
         return None
     label = state.dataloader_label
     check_lengths(layout, own_lens, label)
-    if microbatch_size is None:
+    if train is not None:
         size = lambda: state.device_train_microbatch_size  # noqa: E731 (read when used: auto microbatching)
     else:
         size = microbatch_size if callable(microbatch_size) else lambda: microbatch_size
     # Composer's DataSpec, so counts are its counts; wrapped for every iteration (undone as it ends)
-    spec = spec_for(state, dataloader, train=microbatch_size is None)
+    spec = spec_for(state, dataloader, train=train is not None)
 
     def describe(batch: Any) -> tuple[int, int]:
         return _describe(spec, batch, size())
@@ -183,12 +195,12 @@ def join_dataloader(
         learned = Learned(metric_states=MetricStates(state.device.tensor_to_device))
     loader = (JoinDataLoader if isinstance(dataloader, DataLoader) else JoinLoader)(
         source,
-        Glue(describe, size, lambda: _opened(spec, opening), start, lambda epoch: _reshuffle(dataloader, epoch)),
+        Glue(describe, size, lambda: _opened(spec, opening), data.start, lambda epoch: _reshuffle(dataloader, epoch)),
         rules,
         exchange,
         learned=learned,
-        positions=positions(source, every),
-        report=report,
+        positions=data.positions(source, every),
+        report=data.report,
         facts=every,
     )
     state.set_dataloader(loader, label, -1 if lengths.shared is None else lengths.shared)

@@ -36,6 +36,7 @@ import torch
 
 from harness import launch
 from test_join_core import ok
+from test_rebalance import expected_steps
 from toy import lm_batch, lm_shard, lm_token_losses, make_lm, make_module, per_sample_loss, shard
 
 TOL = 1e-6
@@ -96,7 +97,6 @@ SCHEDULED: dict[str, dict] = {
     'pieces_uneven': dict(
         trainer=dict(train='B', max_duration='2ep', schedule='step'),
         calls=[['fit', {'duration': d}] for d in ('2ba', '4ba', '4ba')],
-        epochs=2,
     ),
 }
 
@@ -209,11 +209,21 @@ def _batches(spec: dict, rank: int, rot: int) -> list[tuple[torch.Tensor, torch.
     return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(y), BATCH)]
 
 
+def _steps(per_rank: list[list], rebalance: bool) -> list[list]:
+    """Per step of an epoch, the batches trained: in ``mode='shadow'`` each rank's ``t``-th at step ``t``; rebalancing,
+    by the README's rules (:func:`test_rebalance.expected_steps`, from the lengths alone)."""
+    if not rebalance:
+        return [[b[t] for b in per_rank if t < len(b)] for t in range(max(len(b) for b in per_rank))]
+    return [[per_rank[owner][i] for owner, i in step] for step in expected_steps([len(b) for b in per_rank])]
+
+
 def replay(cfg: dict) -> dict[str, Any]:
-    """One process trains what the scenario intends (mode='shadow'): per step the union of the ranks' real batches,
-    the mean gradient times ``A_t / W``, SGD with momentum; the learning rate of step ``b`` (the clock's batch) is the
+    """One process trains what the scenario intends: per step the union of the batches trained (:func:`_steps`), the
+    mean gradient times ``A_t / W``, SGD with momentum; the learning rate of step ``b`` (the clock's batch) is the
     schedule at ``max(b - 1, start)``, ``start`` being the batch at which it was compiled (Composer steps its
-    schedulers after each batch, before the clock moves on). Returns the parameters and every step's learning rate."""
+    schedulers after each batch, before the clock moves on), with the epoch's length in steps. Returns the parameters
+    and every step's learning rate."""
+    rebalance = (cfg.get('join') or {}).get('mode') == 'rebalance'
     torch.manual_seed(0)
     module = make_module('mlp')
     optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
@@ -227,8 +237,8 @@ def replay(cfg: dict) -> dict[str, Any]:
     loader, schedule, start, clock, lrs = ctor['train'], ctor.get('schedule'), 0, 0, []
     pieces_steps = None
     if all('duration' in f and f['duration'].endswith('ba') for f in fits):  # a fit in pieces: one run of the epochs
-        pieces_steps = sum(int(f['duration'][:-2]) for f in fits)
-        fits = [dict(train=ctor['train'], epochs=cfg['epochs'])]
+        pieces_steps = sum(int(f['duration'][:-2]) for f in fits)  # (in as many epochs as that takes)
+        fits = [dict(train=ctor['train'], epochs=pieces_steps)]
     total_epochs = int(ctor['max_duration'][:-2]) if ctor.get('max_duration') else cfg.get('epochs', 0)
     for n, fit in enumerate(fits):
         if n > 0:
@@ -236,16 +246,17 @@ def replay(cfg: dict) -> dict[str, Any]:
             if 'schedule' in fit:
                 schedule, start = fit['schedule'], clock
             total_epochs = epochs_done + int(fit['duration'][:-2])
-        per_rank = [_batches(cfg['loaders'][loader], r, rot) for r in range(world)]
-        length = max(len(b) for b in per_rank)
+        steps = _steps([_batches(cfg['loaders'][loader], r, rot) for r in range(world)], rebalance)
+        length = len(steps)
         epochs = fit.get('epochs', total_epochs - epochs_done)
         for _ in range(epochs):
-            for t in range(length):
+            if pieces_steps is not None and clock == pieces_steps:
+                break
+            for active in steps:
                 if pieces_steps is not None and clock == pieces_steps:
                     break
-                active = [r for r in range(world) if t < len(per_rank[r])]
-                x = torch.cat([per_rank[r][t][0] for r in active])
-                y = torch.cat([per_rank[r][t][1] for r in active])
+                x = torch.cat([b[0] for b in active])
+                y = torch.cat([b[1] for b in active])
                 rate = _lr(schedule, max(clock - 1, start), length, total_epochs)
                 for group in optimizer.param_groups:
                     group['lr'] = rate
@@ -287,12 +298,15 @@ def test_on_uneven_data_every_step_uses_the_agreed_schedule_from_the_first(runs,
 
 @pytest.mark.parametrize('name', list(SCHEDULED))
 @pytest.mark.parametrize(('world', 'rot'), ROTATED)
-def test_rebalancing_every_rank_reads_the_same_clocks_and_stays_equal(runs, name, world, rot):
-    per_rank = ok(runs, f'{world}:uneven:{name}:rebalance@rot{rot}')
-    for rank, res in enumerate(per_rank):
-        assert res['differences'] == [], f'{name}: rank {rank}: clocks differ: {res["differences"][:2]}'
-        assert res['lrs'] == per_rank[0]['lrs']
-        assert _diff(res['params'], per_rank[0]['params']) == 0.0
+def test_rebalancing_every_step_uses_the_agreed_schedule_from_the_first(runs, name, world, rot):
+    cfg = SCENARIOS[f'{world}:uneven:{name}:rebalance@rot{rot}']
+    ref = replay(cfg)
+    for rank, res in enumerate(ok(runs, f'{world}:uneven:{name}:rebalance@rot{rot}')):
+        where = f'{name}, {world} ranks, rotated {rot}, rebalancing: rank {rank}'
+        assert res['lrs'] == pytest.approx(ref['lrs'], abs=1e-12), where
+        assert res['differences'] == [], f'{where}: clocks differ between ranks: {res["differences"][:2]}'
+        diff = _diff(res['params'], ref['params'])
+        assert diff < TOL, f'{where}: {diff:.2e} from the single-process replay'
 
 
 # -- a stand-in's loss --------------------------------------------------------------------------------------------

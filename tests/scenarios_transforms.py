@@ -22,10 +22,11 @@ from composer import Callback, Trainer
 from composer.core import DataSpec, Evaluator
 from composer.models import ComposerModel
 from composer.utils import dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric, SumMetric
 
 import devices
+from rank_scenarios import ShardWithLen
 from toy import CLASSES, FEATURES, make_module
 
 BATCH = 8
@@ -52,21 +53,8 @@ def two_views(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
 TRANSFORMS: dict[str, Callable[[Any], Any]] = {'float': to_float, 'views': two_views}
 
 
-class Shard(IterableDataset):
-    """This rank's samples in order, with ``len()`` (the way sharded data reaches Composer)."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __iter__(self):
-        return iter(zip(self.x, self.y))
-
-
 def spec(seed: int, n: int, transform: str) -> DataSpec:
-    return DataSpec(DataLoader(Shard(*shard(seed, n)), batch_size=BATCH), batch_transforms=TRANSFORMS[transform])
+    return DataSpec(DataLoader(ShardWithLen(*shard(seed, n)), batch_size=BATCH), batch_transforms=TRANSFORMS[transform])
 
 
 class LossSum(SumMetric):

@@ -285,24 +285,12 @@ ROTATED = [(world, rot) for world in WORLDS for rot in range(world)]
 
 @pytest.mark.parametrize('name', list(SCHEDULED))
 @pytest.mark.parametrize(('world', 'rot'), ROTATED)
-def test_on_uneven_data_every_step_uses_the_agreed_schedule_from_the_first(runs, name, world, rot):
-    cfg = SCENARIOS[f'{world}:uneven:{name}:shadow@rot{rot}']
+@pytest.mark.parametrize('mode', ['shadow', 'rebalance'])
+def test_on_uneven_data_every_step_uses_the_agreed_schedule_from_the_first(runs, name, world, rot, mode):
+    cfg = SCENARIOS[f'{world}:uneven:{name}:{mode}@rot{rot}']
     ref = replay(cfg)
-    for rank, res in enumerate(ok(runs, f'{world}:uneven:{name}:shadow@rot{rot}')):
-        where = f'{name}, {world} ranks, rotated {rot}: rank {rank}'
-        assert res['lrs'] == pytest.approx(ref['lrs'], abs=1e-12), where
-        assert res['differences'] == [], f'{where}: clocks differ between ranks: {res["differences"][:2]}'
-        diff = _diff(res['params'], ref['params'])
-        assert diff < TOL, f'{where}: {diff:.2e} from the single-process replay'
-
-
-@pytest.mark.parametrize('name', list(SCHEDULED))
-@pytest.mark.parametrize(('world', 'rot'), ROTATED)
-def test_rebalancing_every_step_uses_the_agreed_schedule_from_the_first(runs, name, world, rot):
-    cfg = SCENARIOS[f'{world}:uneven:{name}:rebalance@rot{rot}']
-    ref = replay(cfg)
-    for rank, res in enumerate(ok(runs, f'{world}:uneven:{name}:rebalance@rot{rot}')):
-        where = f'{name}, {world} ranks, rotated {rot}, rebalancing: rank {rank}'
+    for rank, res in enumerate(ok(runs, f'{world}:uneven:{name}:{mode}@rot{rot}')):
+        where = f'{name}, {world} ranks, rotated {rot}, {mode}: rank {rank}'
         assert res['lrs'] == pytest.approx(ref['lrs'], abs=1e-12), where
         assert res['differences'] == [], f'{where}: clocks differ between ranks: {res["differences"][:2]}'
         diff = _diff(res['params'], ref['params'])

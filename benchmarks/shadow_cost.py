@@ -8,6 +8,8 @@ processes (``shadow_workloads.py`` says what each measures):
 * **shadow step**: rank 1's shadow steps of a Composer fit with ``UnevenJoin`` (``BATCH_START`` to ``BATCH_END``),
   its first two left out (the first makes what later ones reuse);
 * **floor**: DDP's gradient buckets all-reduced bare, as the reducer issues them, plus ``optimizer.step()``;
+  **zero fill**: filling those buckets with zeros, timed apart (gloo's all-reduce is in place: a rank that
+  contributes zeros and keeps the result must write zeros the size of the model each step);
 * **torch Join**: a plain DDP loop's joined iterations under ``DistributedDataParallel.join`` (no optimizer step);
 * **real step**: rank 0's Composer steps with data (the first three left out);
 * **allocated**: bytes allocated in rank 1's steps, with torch's profiler (``profile_memory=True``): its first shadow
@@ -36,7 +38,8 @@ import run
 import uneven
 from common import BATCH, case_sizes, launch, load_average, median
 
-SIZES = {'2.3 M': (1400, 30, 10), '25.3 M': (4900, 16, 4)}  # parameters: (hidden, long, short)
+# parameters: (hidden, long, short); the smallest shows Composer's own per-step cost, about the same at every size
+SIZES = {'7 k': (24, 30, 10), '2.3 M': (1400, 30, 10), '25.3 M': (4900, 16, 4)}
 PARTS = ('composer_shadow', 'torch_join', 'floor')
 
 
@@ -61,6 +64,18 @@ def split(args: argparse.Namespace) -> None:
         )
 
 
+def profile(args: argparse.Namespace) -> None:
+    """The shadowing rank's shadow steps under cProfile, at each size."""
+    calls = [
+        (name, 'shadow_workloads:composer_profile', {'hidden': h, 'long': long, 'short': short})
+        for name, (h, long, short) in SIZES.items()
+    ]
+    res = launch(2, calls, timeout=900, progress=False)
+    for name in SIZES:
+        print(f'== {name}: {res[name][1]["steps"]} shadow steps')
+        print(res[name][1]['text'])
+
+
 def side_by_side(args: argparse.Namespace) -> None:
     calls = [('warm-up', 'shadow_workloads:composer_shadow', {'hidden': 256, 'long': 8, 'short': 3})]
     for rep in range(args.reps):
@@ -77,13 +92,14 @@ def side_by_side(args: argparse.Namespace) -> None:
     print(f'load average after: {load_average()}; composer_join from {res["warm-up"][1]["composer_join"]}')
     key = 'thread' if args.thread else 'cpu'
     print(
-        '| parameters | shadow step ms | floor ms | shadow / floor | torch Join, joined iteration ms | '
+        '| parameters | shadow step ms | floor ms | shadow / floor | zero fill ms | torch Join, joined iteration ms | '
         'real step ms | allocated per shadow step (first; later) | peak RSS: shadow step | peak RSS: real step |'
     )
-    print('|---|---|---|---|---|---|---|---|')
+    print('|---|---|---|---|---|---|---|---|---|---|')
     for name in SIZES:
         shadow: list[float] = []
         floor: list[float] = []
+        zero: list[float] = []
         joined: list[float] = []
         real: list[float] = []
         for rep in range(args.reps):
@@ -93,6 +109,7 @@ def side_by_side(args: argparse.Namespace) -> None:
             shadow += [fit[1][key][i] for i in shadow_steps]
             real += fit[0][key][3:]
             floor += res[f'{name}|floor|{rep}'][1][key]
+            zero += res[f'{name}|floor|{rep}'][1]['zero'][key]
             joined.append(res[f'{name}|torch_join|{rep}'][1]['joined'][key])
         steps = res[f'{name}|memory'][1]['steps']
         shadows = [v for _, v in sorted(steps.items()) if v['shadow']]
@@ -101,7 +118,8 @@ def side_by_side(args: argparse.Namespace) -> None:
         rss_real = median(v['peak_rss'] for _, v in rss if not v['shadow'])
         s, f = median(shadow), median(floor)
         print(
-            f'| {name} | {1000 * s:.2f} | {1000 * f:.2f} | **{s / f:.2f}** | {1000 * median(joined):.2f} | '
+            f'| {name} | {1000 * s:.2f} | {1000 * f:.2f} | **{s / f:.2f}** | {1000 * median(zero):.2f} | '
+            f'{1000 * median(joined):.2f} | '
             f'{1000 * median(real):.1f} | {_mb(shadows[0]["allocated"])}; {_mb(shadows[-1]["allocated"])} | '
             f'{_mb(rss_shadow)} | {_mb(rss_real)} |'
         )
@@ -120,9 +138,10 @@ def main() -> None:
     parser.add_argument('--reps', type=int, default=2)
     parser.add_argument('--thread', action='store_true', help="the main thread's CPU instead of the process's")
     parser.add_argument('--progress', action='store_true')
+    parser.add_argument('--profile', action='store_true', help='the shadow steps under cProfile instead')
     parser.add_argument('--raw', action='store_true', help='print every result too')
     args = parser.parse_args()
-    split(args) if args.split else side_by_side(args)
+    split(args) if args.split else profile(args) if args.profile else side_by_side(args)
 
 
 if __name__ == '__main__':

@@ -14,7 +14,8 @@ split by the driver.
 * :func:`torch_join` - a plain DDP loop under ``DistributedDataParallel.join``: the joined rank's time per joined
   iteration (the CPU of the join's exit, divided by the iterations it shadowed).
 * :func:`floor` - the same DDP's gradient buckets all-reduced bare (one ``all_reduce`` per bucket, issued together
-  and waited for, as the reducer does) plus ``optimizer.step()``, on every rank, ``long - short`` times.
+  and waited for, as the reducer does) plus ``optimizer.step()``, on every rank, ``long - short`` times; apart
+  (``zero``), the buckets' zero fill before each all-reduce.
 """
 
 from __future__ import annotations
@@ -232,7 +233,8 @@ def torch_join(hidden: int, long: int, short: int) -> dict[str, Any]:
 
 def floor(hidden: int, long: int, short: int) -> dict[str, Any]:
     """The bare floor, ``long - short`` times on every rank: DDP's gradient buckets (made once, zeros, the gradients
-    views of them) all-reduced as the reducer does, then ``optimizer.step()``; per-iteration times."""
+    views of them) all-reduced as the reducer does, then ``optimizer.step()``; per-iteration times, and those of
+    the zero fill before each (``zero``, not in the floor's)."""
     ddp = DistributedDataParallel(make_mlp(hidden))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
     buckets = compat.zero_grad_buckets(ddp)
@@ -242,8 +244,15 @@ def floor(hidden: int, long: int, short: int) -> dict[str, Any]:
             p.grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
     times: dict[str, list[float]] = {'cpu': [], 'thread': [], 'wall': []}
+    zero: dict[str, list[float]] = {'cpu': [], 'thread': [], 'wall': []}
     dist.barrier()
     for _ in range(long - short):
+        start = _now()
+        for b in buckets:  # timed apart: what a rank that contributes zeros to an in-place all-reduce adds
+            b.buffer().zero_()
+        end = _now()
+        for key, i in (('cpu', 0), ('thread', 1), ('wall', 2)):
+            zero[key].append(end[i] - start[i])
         start = _now()
         works = [torch.distributed.all_reduce(b.buffer(), async_op=True) for b in buckets]
         for w in works:
@@ -252,4 +261,43 @@ def floor(hidden: int, long: int, short: int) -> dict[str, Any]:
         end = _now()
         for key, i in (('cpu', 0), ('thread', 1), ('wall', 2)):
             times[key].append(end[i] - start[i])
-    return times
+    return {**times, 'zero': zero}
+
+
+class _Profile(Callback):
+    """cProfile around the last rank's shadow steps after its first two."""
+
+    def __init__(self):
+        import cProfile
+
+        self.profile = cProfile.Profile()
+        self.on = dist.get_global_rank() == dist.get_world_size() - 1
+        self.seen = 0
+
+    def batch_start(self, state, logger):
+        if self.on and is_shadow_step(state):
+            self.seen += 1
+            if self.seen > 2:
+                self.profile.enable()
+
+    def batch_end(self, state, logger):
+        self.profile.disable()
+
+
+def composer_profile(hidden: int, long: int, short: int) -> dict[str, Any]:
+    """The fit of :func:`composer_shadow` with the last rank's shadow steps (after its first two) under cProfile:
+    the profile's text, by own time (``shadow_cost.py --profile``)."""
+    import io
+    import pstats
+
+    prof = _Profile()
+    trainer = _trainer(hidden, long, short, [prof])
+    dist.barrier()
+    trainer.fit()
+    trainer.close()
+    if not prof.on:
+        return {'text': ''}
+    out = io.StringIO()
+    stats = pstats.Stats(prof.profile, stream=out)
+    stats.sort_stats('tottime').print_stats(25)
+    return {'text': out.getvalue(), 'steps': prof.seen - 2}

@@ -55,6 +55,13 @@ class KeepsGrads(torch.optim.SGD):
         super().zero_grad(set_to_none=False)
 
 
+class NeverZeroes(torch.optim.SGD):
+    """SGD whose ``zero_grad`` does nothing: gradients add up across steps (accumulated by hand)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def ddp_defaults(**kwargs: Any):
     """``DistributedDataParallel(..., **kwargs)`` for every DDP built meanwhile (Composer builds its own)."""
@@ -69,7 +76,7 @@ def ddp_defaults(**kwargs: Any):
 def _fit(cfg: dict, copied: bool) -> dict[str, Any]:
     rank = dist.get_global_rank()
     model = InertModel(cfg['model'])
-    optimizer_class = KeepsGrads if cfg.get('keep_grads') else torch.optim.SGD
+    optimizer_class = {'keep': KeepsGrads, 'never': NeverZeroes}.get(cfg.get('zero_grad', ''), torch.optim.SGD)
     optimizer = optimizer_class(model.parameters(), lr=0.05, momentum=0.9)
     algorithms: list[Any] = [UnevenJoin()]
     if cfg.get('find_unused'):

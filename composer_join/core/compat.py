@@ -16,7 +16,9 @@ torch DDP                ``_BufferCommHookLocation``, ``_register_buffer_comm_ho
                          ``_check_sync_bufs_pre_fwd``, ``_check_sync_bufs_post_fwd``, ``_sync_buffers``,
                          the reducer's ``_rebuild_buckets``, ``_get_zeros_like_grad_buckets``,
                          ``_run_comm_hook``, ``_get_local_used_map``, ``_push_all_rebuilt_params``,
-                         ``_reset_state`` (after a retried step); ``_use_python_reducer``,
+                         ``_reset_state`` (after a retried step), DDP's ``_has_rebuilt_buckets`` (the
+                         stand-in's buckets kept per layout; without it: made anew each time);
+                         ``_use_python_reducer``,
                          ``_delay_all_reduce_all_params`` (configurations the stand-in does not cover)
 torch FSDP               FSDP1 ``_handle.flat_param`` and its ``_fqns``, ``_param_infos``,
                          ``_shared_param_infos``; FSDP2 ``_get_fsdp_state()``,
@@ -56,6 +58,7 @@ __all__ = [
     'CompatError',
     'assign_ddp_buffers',
     'broadcast_ddp_buffers',
+    'buckets_rebuilt',
     'calling_state',
     'dataloader_cap_off',
     'dataset_of',
@@ -207,9 +210,17 @@ def sparse_grad_params(ddp: Any) -> list[Any]:
     return [p for p, is_sparse in zip(params, sparse) if is_sparse]
 
 
-def rebuild_buckets(ddp: Any) -> None:
-    """The reducer's bucket rebuild (a broadcast, once per training), where DDP's forward does it."""
-    private(ddp.reducer, '_rebuild_buckets', 'torch')()
+def rebuild_buckets(ddp: Any) -> bool:
+    """The reducer's bucket rebuild (a broadcast, once per training), where DDP's forward does it; whether it rebuilt
+    (the buckets' layout changed)."""
+    return bool(private(ddp.reducer, '_rebuild_buckets', 'torch')())
+
+
+def buckets_rebuilt(ddp: Any) -> Optional[bool]:
+    """Whether DDP's own forward has rebuilt the reducer's buckets (``_has_rebuilt_buckets``; put back to False when
+    its process group changes), or None where the installed torch does not show it (then assume any layout)."""
+    value = getattr(ddp, '_has_rebuilt_buckets', None)
+    return value if isinstance(value, bool) else None
 
 
 def zero_grad_buckets(ddp: Any) -> list[Any]:

@@ -16,12 +16,13 @@ data-chosen branch. For the duration of one shadow microbatch it stands in for
 * its backward pass, if the microbatch syncs, issues DDP's backward collectives in DDP's order:
   one all-reduce per gradient bucket (zeros, ``_match_all_reduce_for_bwd_pass``) and, with
   ``find_unused_parameters``, the used-parameter map (zeros: this rank used nothing,
-  ``_match_unused_params_allreduce``). Unlike torch's join, the reduced buckets are written to
-  this rank's gradients, so the rank takes the same optimizer step as the others; a parameter no
+  ``_match_unused_params_allreduce``). Unlike torch's join, the reduced buckets become
+  this rank's gradients (views of them, as with ``gradient_as_bucket_view``), so the rank takes the same optimizer step as the others; a parameter no
   rank used keeps ``grad = None``, so the optimizer leaves it (and its momentum) alone.
 
-Cost of a shadow microbatch: the collectives only (and a copy of each reduced bucket into the
-gradients); no forward or backward computation.
+Cost of a shadow microbatch: the collectives only (and a zero fill of the stand-in's own gradient buckets,
+kept from one shadow microbatch to the next, whose views the gradients become); no forward or backward
+computation, no allocation proportional to the model after the first.
 
 Where the forward itself communicates (``SyncBatchNorm``, or a module with
 ``shadow_forward = True``), the model must run: see :func:`forward_communicates`; the loss is
@@ -262,6 +263,19 @@ class DDPShadow:
     :meth:`install` before the forward of a shadow microbatch (``BEFORE_FORWARD``), with a register of changes undone
     after its backward (``AFTER_BACKWARD``), on the rank that shadows. Record the model's loss of
     real microbatches in :attr:`loss_shape` (``AFTER_LOSS``), so the stand-in has its structure.
+
+    Gradient buckets: the stand-in's own, one flat tensor per reducer bucket, made on the first synced shadow
+    microbatch of a bucket layout (the reducer's, before and after its one rebuild) and kept until :meth:`release`
+    (the wrapper releases them when the iteration over the train dataloader ends). Each synced shadow microbatch
+    refills them with zeros in place, all-reduces them in place (the comm hook's result copied back into them where a
+    hook returns a tensor of its own) and leaves the parameters' gradients as views of them, as DDP's
+    ``gradient_as_bucket_view`` does: a gradient that is ``None``, already such a view, or (without
+    ``gradient_as_bucket_view``) a tensor of the user's is bound to the view; one that may be DDP's own bucket view
+    (``gradient_as_bucket_view=True``, a gradient left from a real step under ``zero_grad(set_to_none=False)``) is
+    copied into, as before, so DDP's next real step divides in place exactly as it would have. Values are bit-equal to
+    a copy out of fresh zero buckets. Cost per synced shadow microbatch after the first: the collectives, one
+    ``zero_`` pass over the buckets (a ``memset``), and a loop over the parameter tensors; no allocation proportional
+    to the model. Memory: one set of gradients for as long as the buckets are kept (a real step holds one too).
     """
 
     def __init__(self, ddp: DistributedDataParallel, model: torch.nn.Module, device: torch.device):
@@ -271,18 +285,27 @@ class DDPShadow:
         self.loss_shape = LossShape()
         self._params = compat.params_for_reducer(ddp)  # the reducer's variable order (its used map)
         self._sync = False
+        self._rebuilds = 0  # bucket rebuilds done by the stand-in's forward (DDP's own show in buckets_rebuilt)
+        self._layout: Any = None  # what the kept buckets were made for (None: none kept)
+        self._buckets: list[Any] = []  # the kept GradBuckets, in the reducer's order
+        self._flats: list[torch.Tensor] = []  # their buffers
+        self._views: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = []  # per bucket: (param, its view, index)
 
     def install(self, changes: Changes) -> None:
         """Stand in for the forward and the loss until ``changes`` is undone (after the microbatch's backward)."""
         changes.set(self.ddp, 'forward', self._forward)
         changes.set(self.model, 'loss', self._loss)
 
+    def release(self) -> None:
+        """Drop the kept gradient buckets (gradients bound to views of them keep their memory alive)."""
+        self._layout, self._buckets, self._flats, self._views = None, [], [], []
+
     def _forward(self, *args, **kwargs) -> Any:
         """What ``DistributedDataParallel.forward`` communicates, in its order, without the module."""
         ddp = self.ddp
         grad = torch.is_grad_enabled()
-        if grad:
-            compat.rebuild_buckets(ddp)  # a broadcast, once per training, where DDP's _pre_forward does it
+        if grad and compat.rebuild_buckets(ddp):  # a broadcast, once per training, where DDP's _pre_forward does it
+            self._rebuilds += 1
         compat.sync_buffers_around_forward(ddp)
         self._sync = grad and ddp.require_backward_grad_sync
         ddp.require_forward_param_sync = self._sync
@@ -292,31 +315,68 @@ class DDPShadow:
         anchor = torch.zeros((), device=self.device, requires_grad=True)
         return self.loss_shape.zeros(_MatchBackward.apply(anchor, self))
 
+    def _grad_buckets(self) -> list[Any]:
+        """The kept buckets, zero-filled in place; made (zeros, from the reducer) where its layout may have changed."""
+        rebuilt = compat.buckets_rebuilt(self.ddp)
+        layout = None if rebuilt is None else (self.ddp.reducer, rebuilt, self._rebuilds)
+        if layout is None or self._layout is None or layout[0] is not self._layout[0] or layout[1:] != self._layout[1:]:
+            self._buckets = compat.zero_grad_buckets(self.ddp)
+            self._flats = [bucket.buffer() for bucket in self._buckets]
+            index = {id(p): i for i, p in enumerate(self._params)}
+            self._views = []
+            for bucket, flat in zip(self._buckets, self._flats):
+                views, offset = [], 0
+                for p in bucket.parameters():
+                    n = p.numel()
+                    views.append((p, _bucket_view(flat[offset : offset + n], p), index[id(p)]))
+                    offset += n
+                self._views.append(views)
+            self._layout = layout
+            return self._buckets
+        for bucket, flat in zip(self._buckets, self._flats):
+            flat.zero_()
+            if bucket.buffer().data_ptr() != flat.data_ptr():  # a comm hook replaced it (set_buffer)
+                bucket.set_buffer(flat)
+        return self._buckets
+
     def match_backward(self) -> None:
-        """DDP's backward collectives with this rank's gradients zero; the reduced gradients written back."""
+        """DDP's backward collectives with this rank's gradients zero; the gradients left as views of the reduced
+        buckets (see the class)."""
         if not self._sync:
             return
         self._sync = False
-        buckets = compat.zero_grad_buckets(self.ddp)
+        find_unused = self.ddp.find_unused_parameters
+        if find_unused and self._layout is not None:
+            # A parameter no rank uses keeps its gradient (DDP's reducer leaves it untouched): one that is a view of
+            # the kept buckets (an earlier synced microbatch of this step, or zero_grad(set_to_none=False)) would be
+            # zeroed with them, so it gets a copy of its own first.
+            with torch.no_grad():
+                for views in self._views:
+                    for p, view, _ in views:
+                        if p.grad is view:
+                            p.grad = view.clone()
+        buckets = self._grad_buckets()
         futures = [compat.run_comm_hook(self.ddp, bucket) for bucket in buckets]  # in bucket order, as the reducer
         reduced = [f.wait() for f in futures]
         used: Optional[list[int]] = None
-        if self.ddp.find_unused_parameters:
+        if find_unused:
             used_map = torch.zeros_like(compat.local_used_map(self.ddp))
             self.ddp.process_group.allreduce(used_map).wait()
             used = used_map.tolist()
         compat.push_rebuilt_params(self.ddp)
-        index = {id(p): i for i, p in enumerate(self._params)}
+        bind = not self.ddp.gradient_as_bucket_view
         with torch.no_grad():
-            for bucket, result in zip(buckets, reduced):
-                flat = result[0] if isinstance(result, (list, tuple)) else result
-                offset = 0
-                for p in bucket.parameters():
-                    n = p.numel()
-                    if used is None or used[index[id(p)]]:
-                        value = _bucket_view(flat[offset : offset + n], p)
-                        if p.grad is None:
-                            p.grad = value.clone()
-                        else:
-                            p.grad.copy_(value)
-                    offset += n
+            for flat, result, views in zip(self._flats, reduced, self._views):
+                value = result[0] if isinstance(result, (list, tuple)) else result
+                if value.data_ptr() != flat.data_ptr():  # a comm hook that returns a tensor of its own
+                    flat.copy_(value)
+                for p, view, i in views:
+                    if used is not None and not used[i]:
+                        continue
+                    grad = p.grad
+                    if grad is view:
+                        continue
+                    if grad is None or bind:
+                        p.grad = view
+                    else:  # perhaps DDP's own bucket view (gradient_as_bucket_view): written in place, as DDP would
+                        grad.copy_(view)

@@ -410,6 +410,8 @@ class DDPWrapper(Wrapper):
         if self.probe is not None:
             self.probe.attach(changes)
         changes.call(self._forget_step)  # a retried step is one of this iteration's
+        if isinstance(self.way, NoModelCode):  # its gradient buckets, kept while this iteration's shadow steps run
+            changes.call(self.way.stand_in.release)
         self.unused.attach(changes)  # its hooks on the parameters, on a step that needs them
         spec = compat.train_data_spec(state)
         if spec is not None:

@@ -49,6 +49,12 @@ EVERY = [
     'test_rank_differences.py',
     'test_rebalance_unsized.py',
     'test_layouts.py',
+    'test_composer_view.py',
+    'test_transforms.py',
+    'test_identity.py',
+    'test_agreed_facts.py',
+    'test_shadow_limits.py',
+    'test_bucket_views.py',
 ]
 NOT_ON_SHARED = {
     'test_fsdp.py': 'FSDP needs reduce-scatter and all-gather on CUDA tensors, which gloo lacks (needs 2+ GPUs, NCCL)',

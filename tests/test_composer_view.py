@@ -122,7 +122,8 @@ def _scenarios(world: int) -> dict[str, dict]:
 
 SCENARIOS = {**_scenarios(2), **_scenarios(3)}
 WORLDS = (2, 3)
-NAN = {f'nan_loss@empty{e}': {'empty': e, 'samples': 8} for e in (0, 1)}
+# the rank with no data first, in the middle and last; 2 and 3 ranks
+NAN = {f'{w}:nan_loss@empty{e}': {'empty': e, 'samples': 8, 'world': w} for w in WORLDS for e in range(w)}
 
 
 @pytest.fixture(scope='module')
@@ -132,8 +133,7 @@ def runs() -> dict:
         calls = [
             (n, 'scenarios_composer_view:sequence', {'cfg': c}) for n, c in SCENARIOS.items() if n[0] == str(world)
         ]
-        if world == 2:
-            calls += [(name, 'scenarios_composer_view:nan_loss', {'cfg': cfg}) for name, cfg in NAN.items()]
+        calls += [(n, 'scenarios_composer_view:nan_loss', {'cfg': c}) for n, c in NAN.items() if c['world'] == world]
         out.update(launch(world, calls, timeout=600))
     return out
 
@@ -301,18 +301,21 @@ def test_on_uneven_data_every_step_uses_the_agreed_schedule_from_the_first(runs,
 
 
 def _lm_replay(cfg: dict) -> dict[str, Any]:
-    """One process: the rank with data's batches (4 sequences, the first two prompt-only), the mean over their
-    loss-generating tokens, times ``A_t / W`` = 1/2 for the gradient; the loss each step logs is that mean."""
+    """One process: per step, the batches of the ranks with data (4 sequences each, the first two prompt-only), the
+    mean over all their loss-generating tokens, times ``A_t / W`` for the gradient; the loss each step logs is that
+    mean (Composer's token-weighted loss over the real ranks)."""
     module = make_lm()
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
-    seqs, logged = lm_shard(1 - cfg['empty'], cfg['samples']), []
-    for i in range(0, len(seqs), 4):
-        batch = lm_batch(seqs[i : i + 4])
-        batch['labels'][:2] = -100
-        loss = lm_token_losses(module, batch).mean()
+    ranks = [r for r in range(cfg['world']) if r != cfg['empty']]
+    shards, logged = [lm_shard(r, cfg['samples']) for r in ranks], []
+    for i in range(0, cfg['samples'], 4):
+        batches = [lm_batch(seqs[i : i + 4]) for seqs in shards]
+        for batch in batches:
+            batch['labels'][:2] = -100
+        loss = torch.cat([lm_token_losses(module, batch) for batch in batches]).mean()
         logged.append(float(loss))
         optimizer.zero_grad()
-        (loss / 2).backward()
+        (loss * len(ranks) / cfg['world']).backward()
         optimizer.step()
     return {'logged': logged, 'params': {k: v.detach().clone() for k, v in module.named_parameters()}}
 

@@ -273,3 +273,36 @@ def nan_loss(cfg: dict) -> dict[str, Any]:
         'finite': all(math.isfinite(v) for v in logged),
         'params': {k: v.detach().cpu().clone() for k, v in model.module.named_parameters()},
     }
+
+
+def fit_after_refusal(cfg: dict) -> dict[str, Any]:
+    """A fit that UnevenJoin refuses at ``FIT_START`` (GhostBatchNorm beside it), then, that algorithm removed, a fit
+    on the same trainer; and the same fit on a stock trainer. What ``state.dataloader`` was after the refusal."""
+    from composer.algorithms import GhostBatchNorm
+
+    from composer_join import UnevenInputsError
+
+    rank = dist.get_global_rank()
+    out: dict[str, Any] = {}
+    for joined in (True, False):
+        torch.manual_seed(0)
+        model = ToyModel('mlp')
+        ghost = GhostBatchNorm(ghost_batch_size=4)
+        train = loader(cfg['loaders']['A'], rank)
+        trainer = quiet_trainer(
+            model=model,
+            optimizers=torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
+            train_dataloader=train,
+            max_duration='1ep',
+            algorithms=[ghost, UnevenJoin()] if joined else [],
+        )
+        if joined:
+            try:
+                trainer.fit()
+            except UnevenInputsError as e:
+                out['refused'] = str(e)
+            out['left'] = 'user' if trainer.state.dataloader is train else type(trainer.state.dataloader).__name__
+            trainer.state.algorithms.remove(ghost)
+        trainer.fit()
+        out['joined' if joined else 'stock'] = {k: v.detach().cpu().clone() for k, v in model.module.named_parameters()}
+    return out

@@ -134,6 +134,8 @@ def runs() -> dict:
             (n, 'scenarios_composer_view:sequence', {'cfg': c}) for n, c in SCENARIOS.items() if n[0] == str(world)
         ]
         calls += [(n, 'scenarios_composer_view:nan_loss', {'cfg': c}) for n, c in NAN.items() if c['world'] == world]
+        if world == 2:
+            calls.append(('refusal', 'scenarios_composer_view:fit_after_refusal', {'cfg': {'loaders': EVEN}}))
         out.update(launch(world, calls, timeout=600))
     return out
 
@@ -327,6 +329,13 @@ def test_a_stand_ins_loss_reaches_no_log_and_no_nan_monitor(runs, name):
         assert res['finite'], f'{name}: rank {rank} logged {res["logged"]}'
         assert res['logged'] == pytest.approx(ref['logged'], abs=TOL), f'{name}: rank {rank}'
         assert _diff(res['params'], ref['params']) < TOL, f'{name}: rank {rank}'
+
+
+def test_a_fit_refused_at_its_start_leaves_nothing_and_the_next_fit_is_stocks(runs):
+    for rank, res in enumerate(ok(runs, 'refusal')):
+        assert 'GhostBatchNorm' in res.get('refused', ''), f'rank {rank}: {res.get("refused")}'
+        assert res['left'] == 'user', f'rank {rank}: state.dataloader after the refusal: {res["left"]}'
+        assert _diff(res['joined'], res['stock']) < TOL, f'rank {rank}'
 
 
 # -- the docs' list of changes to objects UnevenJoin does not own -------------------------------------------------

@@ -36,7 +36,7 @@ from composer.utils import dist
 
 from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan
-from composer_join.data.resume import Resumed, check_world_size
+from composer_join.data.resume import RankPositions, Resumed, check_world_size
 from composer_join.interop.closures import agree_on_closures
 from composer_join.interop.metrics import has_list_states
 from composer_join.interop.refusals import refuse_incompatible
@@ -105,9 +105,14 @@ class FitSession:
         self.after_epoch: Optional[Callable[[], JoinLoader]] = None
         state = self.state
         user, label, cap = state.dataloader, state.dataloader_label, state.dataloader_len  # the user's, Composer's cap
-        self.changes.call(lambda: state.set_dataloader(user, label, -1 if cap is None else cap))
-        self._start(state, resumed, previous)
+        self.positions: Optional[RankPositions] = None  # (set with the loader, _use)
         self.changes.call(lambda: self.positions.close() if self.positions is not None else None)
+        self.changes.call(lambda: state.set_dataloader(user, label, -1 if cap is None else cap))
+        try:
+            self._start(state, resumed, previous)
+        except BaseException:  # a fit that cannot start (an error on every rank): nothing of it outlives it
+            self.changes.undo()
+            raise
         agree_schedules(state)  # the agreed length is in force: the first step's learning rate from it
 
     def _use(self, loader: JoinLoader) -> None:

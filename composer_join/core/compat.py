@@ -48,7 +48,7 @@ import importlib
 import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from composer_join.core.errors import UnevenInputsError
 
@@ -56,12 +56,12 @@ __all__ = [
     'DDP_BROADCAST',
     'TESTED',
     'CompatError',
+    'TrainView',
     'assign_ddp_buffers',
     'broadcast_ddp_buffers',
     'buckets_rebuilt',
     'calling_state',
     'dataloader_cap_off',
-    'dataset_of',
     'ddp_sync_strategy',
     'default_count',
     'default_passes',
@@ -90,12 +90,10 @@ __all__ = [
     'set_update_count',
     'sparse_grad_params',
     'sparse_params',
-    'spins_dataloaders',
     'stand_in_unsupported',
     'static_graph_first_pending',
     'sync_buffers_around_forward',
-    'train_data_spec',
-    'transforms_batches',
+    'train_view',
     'update_count',
     'zero_grad_buckets',
 ]
@@ -306,7 +304,7 @@ def default_split_batch() -> Callable[[Any, Any], Any]:
     return private('composer.core.data_spec', '_default_split_batch', 'composer')
 
 
-def transforms_batches(spec: Any) -> bool:
+def _transforms_batches(spec: Any) -> bool:
     """Whether ``spec.batch_transforms`` is one of the user's, not Composer's no-op default
     (``DataSpec._default_transforms``, a method: compared by its function)."""
     from composer.core import DataSpec
@@ -354,7 +352,7 @@ def set_last_lr(scheduler: Any, rates: list[Any]) -> None:
     scheduler._last_lr = rates
 
 
-def dataset_of(state: Any, dataloader: Any) -> Any:
+def _dataset_of(state: Any, dataloader: Any) -> Any:
     """The dataset Composer reaches through ``dataloader`` (a ``DataLoader``'s), or None."""
     return private(state, '_dataset_of', 'composer')(dataloader)
 
@@ -386,13 +384,6 @@ def _on_trainer(state: Any, name: str, kind: Any = object) -> Any:
     return None
 
 
-def spins_dataloaders(state: Any) -> bool:
-    """Whether the running ``Trainer`` skips a resumed epoch's first ``batch_in_epoch`` batches by reading them again
-    (its ``spin_dataloaders``, Composer's default True), found like :func:`train_data_spec`; True if not found."""
-    spins = _on_trainer(state, 'spin_dataloaders', bool)
-    return True if spins is None else spins
-
-
 def calling_state() -> Any:
     """The Composer ``State`` whose method is calling, found on the call stack: Composer's ``State.state_dict`` and
     ``State.load_state_dict`` call each algorithm's, and do not say for which trainer. None if no ``State`` is."""
@@ -407,21 +398,37 @@ def calling_state() -> Any:
     return None
 
 
-def train_data_spec(state: Any) -> Any:
-    """The ``DataSpec`` the running ``Trainer`` splits train batches with, found from inside one of its events.
+class TrainView(NamedTuple):
+    """What Composer holds of a fit's train data that an algorithm is not given (:func:`train_view`)."""
 
-    Composer keeps it on the ``Trainer`` (``_train_data_spec``), which algorithms are not given; this looks
-    for the ``Trainer`` whose ``state`` is ``state`` on the call stack. None if not found.
-    """
+    spec: Any
+    """The ``DataSpec`` the running ``Trainer`` counts, transforms and splits train batches with
+    (``Trainer._train_data_spec``); None if not found."""
+    spins: bool
+    """Whether it skips a resumed epoch's first ``batch_in_epoch`` batches by reading them again
+    (``Trainer.spin_dataloaders``, Composer's default True; True if not found)."""
+    dataset: Any
+    """The dataset Composer reaches through ``state.train_dataloader`` (``State._dataset_of``), or None."""
+    transforms: bool
+    """:attr:`spec` has a ``batch_transforms`` of the user's (not Composer's no-op): what Composer counts and trains
+    is then the transformed batch, which may hold other samples than the dataloader yielded."""
+
+
+def train_view(state: Any) -> TrainView:
+    """Composer's view of the train data of the fit starting for ``state``, read once, at ``FIT_START``, by the fit's
+    session (every other part is handed it). The ``Trainer``'s settings are found on the call stack: algorithms are not
+    given the ``Trainer``, so this looks for the one whose ``state`` is ``state``. Cost: two walks up the stack (a few dozen frames)."""
     from composer.core import DataSpec
 
-    return _on_trainer(state, '_train_data_spec', DataSpec)
+    spec, spins = _on_trainer(state, '_train_data_spec', DataSpec), _on_trainer(state, 'spin_dataloaders', bool)
+    dataset = _dataset_of(state, state.train_dataloader)
+    return TrainView(spec, True if spins is None else spins, dataset, spec is not None and _transforms_batches(spec))
 
 
 def ddp_sync_strategy(state: Any) -> Optional[str]:
     """The running ``Trainer``'s ``ddp_sync_strategy`` (``'single_auto_sync'``, ``'multi_auto_sync'`` or
     ``'forced_sync'``: Composer resolves its default in ``Trainer.__init__`` and keeps it as ``_ddp_sync_strategy``),
-    found like :func:`train_data_spec`; None if not found."""
+    found like :func:`train_view`; None if not found."""
     from composer.distributed import DDPSyncStrategy
 
     strategy = _on_trainer(state, '_ddp_sync_strategy', DDPSyncStrategy)

@@ -57,7 +57,6 @@ from typing import Any, NamedTuple, Optional
 from composer.core import State
 from composer.utils import dist
 
-from composer_join.core import compat
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.layout import Layout
 from composer_join.core.peers import lost_peer
@@ -92,15 +91,15 @@ class Start(NamedTuple):
     and Composer ends the epoch by its own count."""
 
 
-def train_position(state: State, finished: bool = False) -> Start:
-    """Where the train dataloader Composer is about to iterate starts (``finished``: see :attr:`Start.finished`).
-    Call it from inside Composer's loop (it reads the trainer's ``spin_dataloaders`` from the call stack)."""
+def train_position(state: State, finished: bool = False, spins: bool = True) -> Start:
+    """Where the train dataloader Composer is about to iterate starts (``finished``: see :attr:`Start.finished`;
+    ``spins``: the Trainer's ``spin_dataloaders``, :attr:`composer_join.core.compat.TrainView.spins`)."""
     epoch, step = int(state.timestamp.epoch), int(state.timestamp.batch_in_epoch)
     if finished and step > 0:
         return Start(epoch, step, 0, True)
     if 'train' in state.dataset_resumption:  # the dataset resumed itself: no spinning
         return Start(epoch, step, 0)
-    if step > 0 and not compat.spins_dataloaders(state):
+    if step > 0 and not spins:
         return Start(epoch, 0, 0, rereads=True)
     return Start(epoch, 0, step)
 

@@ -78,7 +78,7 @@ class EvalSession:
         )
         loader = self.loader
         # the DataSpec the loader counts with (predict(): Composer's defaults)
-        spec = spec_for(state, loader.dataloader, train=False) if loader is not None else None
+        spec = spec_for(state, loader.dataloader) if loader is not None else None
         self.microbatches = Microbatches(state, loader, spec, context.rank)
         if loader is None:
             # every rank's DistributedSampler evens shards out by repeating samples, and Composer's eval

@@ -30,10 +30,11 @@ import logging
 from collections.abc import Callable
 from typing import Any, Optional
 
-from composer.core import Event, State
+from composer.core import DataSpec, Event, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from composer_join.core import compat
 from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan
 from composer_join.data.resume import RankPositions, Resumed, check_world_size
@@ -47,7 +48,7 @@ from composer_join.join.fitdata import mid_epoch, rest_of_epoch, train_loader, u
 from composer_join.join.loader import JoinLoader, lift_cap
 from composer_join.join.microbatches import TEMPLATE_SAMPLES, Microbatches
 from composer_join.shadow.buffers import checkpoint_due
-from composer_join.shadow.dataspec import spec_for, split_gave_empty
+from composer_join.shadow.dataspec import split_gave_empty
 from composer_join.shadow.gradients import scale_grad
 
 __all__ = ['CHECKPOINT_EVENTS', 'FIT_EVENTS', 'TRAIN_MICROBATCH_EVENTS', 'FitSession']
@@ -105,6 +106,9 @@ class FitSession:
         self.after_epoch: Optional[Callable[[], JoinLoader]] = None
         state = self.state
         user, label, cap = state.dataloader, state.dataloader_label, state.dataloader_len  # the user's, Composer's cap
+        # Composer's view of the train data (its DataSpec, spin setting, dataset), read once, here: the facts, the
+        # loader's counts, positions and start, the stand-ins and the wrapper's padding are all handed this one
+        self.view = compat.train_view(state)
         self.positions: Optional[RankPositions] = None  # (set with the loader, _use)
         self.changes.call(lambda: self.positions.close() if self.positions is not None else None)
         self.changes.call(lambda: state.set_dataloader(user, label, -1 if cap is None else cap))
@@ -121,7 +125,7 @@ class FitSession:
         # some rank's trainer has algorithms besides UnevenJoin, or its DataSpec a batch_transforms (the first
         # agreement): every step's AFTER_DATALOADER counts again what Composer trains (composer_join.interop.replan)
         self.recounts = any(f.others or f.transforms for f in loader.facts)
-        spec = spec_for(self.state, loader.dataloader, train=True)
+        spec = self.view.spec if self.view.spec is not None else DataSpec(loader.dataloader)
         self.microbatches = Microbatches(self.state, loader, spec, self.context.rank)
 
     def _start(self, state: State, resumed: Optional[Resumed], previous: Optional[FitSession]) -> None:
@@ -131,7 +135,9 @@ class FitSession:
         unsaved = resumed is not None and resumed.positions_unsaved and mid_epoch(state, resumed)
         if unsaved and resumed.world_size not in (None, dist.get_world_size()):
             raise unsaved_positions(state)
-        rest = rest_of_epoch(state, resumed, context.layout)  # this rank's share of an epoch resumed elastically
+        rest = rest_of_epoch(
+            state, resumed, context.layout, self.view.dataset
+        )  # this rank's share of an epoch resumed elastically
         resized = check_world_size(resumed, state, rest is not None, context.layout)  # else raises mid-epoch
         # the checkpoint of an epoch's last batch, on another world size: that epoch ends with no batch
         finished = resized and int(state.timestamp.batch_in_epoch) > 0 and rest is None
@@ -139,14 +145,18 @@ class FitSession:
             context.wrapper.load_state_dict({})  # DDP: buffers are equal on every rank in a checkpoint
         if rest is not None:
             cap = state.dataloader_len  # Composer's, for the user's train dataloader (a subset of it, say)
-            self._use(train_loader(context, state, earlier, self._install, reused, rest=rest))
+            self._use(train_loader(context, state, self.view, earlier, self._install, reused, rest=rest))
             # the next epoch: the sampler's shards again, as many batches as Composer would take
             self.after_epoch = lambda: train_loader(
-                context, state, self.loader, self._install, self._position(), cap=cap
+                context, state, self.view, self.loader, self._install, self._position(), cap=cap
             )
         else:
             report = resumed.current if resumed is not None and (finished or not resized) else None
-            self._use(train_loader(context, state, earlier, self._install, reused, finished=finished, report=report))
+            self._use(
+                train_loader(
+                    context, state, self.view, earlier, self._install, reused, finished=finished, report=report
+                )
+            )
         if unsaved and self.positions is not None and self.positions.position.resumes_itself:
             raise unsaved_positions(state)
         # a position the data keeps itself, on the same world size: each rank its own
@@ -164,7 +174,7 @@ class FitSession:
 
     def _install(self, changes: Changes) -> None:
         """Each iteration over the train dataloader: the wrapper's changes, and optimizers that branch on the loss."""
-        self.context.wrapper.install(changes, self.state, self.plan, train=True)
+        self.context.wrapper.install(changes, self.state, self.plan, train=True, spec=self.view.spec)
         agree_on_closures(self.state.optimizers, lambda: self.shadow_step, changes)
 
     def plan(self) -> Optional[StepPlan]:

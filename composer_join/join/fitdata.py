@@ -26,12 +26,12 @@ from composer.core import State
 from composer.utils import dist
 from torch.utils.data import DataLoader
 
-from composer_join.core import compat
 from composer_join.core.changes import Changes
+from composer_join.core.compat import TrainView
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.layout import Layout
 from composer_join.core.report import EpochReport
-from composer_join.core.settings import SHADOW_WAYS, Facts
+from composer_join.core.settings import Facts
 from composer_join.core.source import BatchSource
 from composer_join.data.elastic import (
     GlobalOrder,
@@ -51,7 +51,6 @@ from composer_join.data.positions import (
 from composer_join.data.resume import RankPositions, Resumed, train_position
 from composer_join.join.context import Context
 from composer_join.join.loader import JoinLoader, TrainData, join_dataloader
-from composer_join.shadow.dataspec import transforms_batches
 
 __all__ = [
     'Rest',
@@ -80,12 +79,12 @@ def mid_epoch(state: State, resumed: Resumed) -> bool:
     return int(state.timestamp.batch_in_epoch) > 0 and not resumed.epoch_done
 
 
-def rest_of_epoch(state: State, resumed: Optional[Resumed], layout: Layout) -> Optional[Rest]:
+def rest_of_epoch(state: State, resumed: Optional[Resumed], layout: Layout, dataset: Any) -> Optional[Rest]:
     """This rank's share of the samples no rank had used, where a mid-epoch checkpoint of data sharded by a
     global-order sampler (:mod:`composer_join.data.elastic`) resumes on another world size, or continues an
-    epoch already resumed so; None otherwise (same world size: Composer replays; else refused or a boundary)."""
+    epoch already resumed so; None otherwise (same world size: Composer replays; else refused or a boundary).
+    ``dataset``: the one Composer reaches through the train dataloader (:attr:`~composer_join.core.compat.TrainView`)."""
     dataloader = state.train_dataloader
-    dataset = compat.dataset_of(state, dataloader)
     if resumed is None or resumed.epoch_done or int(state.timestamp.batch_in_epoch) == 0:
         return None
     if layout.tp > 1 or resumed.groups is not None:
@@ -129,7 +128,7 @@ def rest_of_epoch(state: State, resumed: Optional[Resumed], layout: Layout) -> O
 
 
 def own_position(
-    state: State, layout: Layout, rest: Optional[Rest] = None, reused: Optional[Position] = None
+    state: State, dataset: Any, layout: Layout, rest: Optional[Rest] = None, reused: Optional[Position] = None
 ) -> Optional[Position]:
     """This rank's adapter for train data that keeps its own position, or is sharded by a global-order sampler
     (None: left to Composer, or nothing to keep), as its own data is; ``rest``: the rest of an epoch resumed
@@ -137,7 +136,6 @@ def own_position(
     the trainer's last fit."""
     # Composer reaches the dataset through state.train_dataloader, the user's own DataLoader (left untouched).
     dataloader = state.train_dataloader
-    dataset = compat.dataset_of(state, dataloader)
     if rest is not None and rest.order is not None:
         return GlobalOrderPosition(dataloader, dataloader, rest.order, rest.layout)
     if reused is not None and reused.resumes_itself and reused.target in (dataloader, dataset):
@@ -151,20 +149,21 @@ def own_position(
 
 
 def rank_positions(
-    state: State, source: BatchSource, candidate: Optional[Position], facts: list[Facts]
+    state: State, dataset: Any, source: BatchSource, candidate: Optional[Position], facts: list[Facts]
 ) -> Optional[RankPositions]:
     """The per-rank positions the ranks agreed on, from every rank's ``facts`` (None: left to Composer), read
     through ``source``: this rank's ``candidate`` where every rank's kind is the same, else every rank replays."""
     dataloader = state.train_dataloader
     kinds = [f.position for f in facts]
     replay = source.reads_ahead  # the same on every rank (the rebalancer comes from the agreed lengths)
-    position = agreed_position(candidate, kinds, dataloader, compat.dataset_of(state, dataloader), replay)
+    position = agreed_position(candidate, kinds, dataloader, dataset, replay)
     return None if position is None else RankPositions(state, position)
 
 
 def train_loader(
     context: Context,
     state: State,
+    view: TrainView,
     earlier: Optional[JoinLoader],
     install: Callable[[Changes], None],
     reused: Optional[Position] = None,
@@ -176,7 +175,7 @@ def train_loader(
     """The train dataloader, joined: Composer's (``state.dataloader``), the rest of an epoch resumed elastically
     (``rest``), or the user's with Composer's ``dataloader_len`` ``cap`` (the epochs after that rest).
 
-    ``earlier``: the trainer's last train loader (what it learned is kept for the same dataloader); ``install``:
+    ``view``: Composer's view of the train data (:func:`~composer_join.core.compat.train_view`); ``earlier``: the trainer's last train loader (what it learned is kept for the same dataloader); ``install``:
     the fit's changes at each iteration; ``reused``: the last fit's position adapter; ``finished`` and ``report``:
     where the checkpoint resumed left the epoch (:func:`~composer_join.data.resume.train_position`).
     """
@@ -187,20 +186,20 @@ def train_loader(
         dataloader = state.train_dataloader
     # this rank's position adapter as its data is; the ranks agree on it in the length agreement
     user = state.train_dataloader
-    candidate = own_position(state, context.layout, rest, reused)
-    kind = kind_of(candidate, user, compat.dataset_of(state, user))
+    candidate = own_position(state, view.dataset, context.layout, rest, reused)
+    kind = kind_of(candidate, user, view.dataset)
     facts = context.facts(
         state,
         position=int(kind),
-        shadow=SHADOW_WAYS.index(context.wrapper.shadow_way_name(state)),
-        transforms=transforms_batches(compat.train_data_spec(state)),
-        **context.wrapper.learned(state),
+        transforms=view.transforms,
+        **context.wrapper.facts(state),
     )
     train = TrainData(
-        positions=lambda source, facts: rank_positions(state, source, candidate, facts),
-        start=lambda: train_position(state, finished),
+        positions=lambda source, facts: rank_positions(state, view.dataset, source, candidate, facts),
+        start=lambda: train_position(state, finished, view.spins),
         # (at a boundary on another world size, the report of a finished epoch of the old ranks is not this one)
         report=report,
+        spec=view.spec,
         dataloader=dataloader,
         length=None if cap is None else int(cap),
         offset=int(state.timestamp.batch_in_epoch) if rest is not None and rest.indices is not None else 0,

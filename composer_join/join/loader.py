@@ -92,6 +92,8 @@ class TrainData:
     """Where each iteration starts in its epoch (:attr:`~composer_join.join.iterator.Glue.start`)."""
     report: Optional[EpochReport] = None
     """The current epoch's report, where it goes on (a checkpoint's)."""
+    spec: Optional[DataSpec] = None
+    """The Trainer's train ``DataSpec`` (the fit session's: None where it was not found, then Composer's defaults)."""
     dataloader: Optional[Iterable] = None
     """This one instead of ``state.dataloader`` (the rest of an epoch resumed on another world size, or the epochs
     after it), with Composer's cap :attr:`length` (default: its whole length)."""
@@ -164,7 +166,10 @@ def join_dataloader(
     else:
         size = microbatch_size if callable(microbatch_size) else lambda: microbatch_size
     # Composer's DataSpec, so counts are its counts; wrapped for every iteration (undone as it ends)
-    spec = spec_for(state, dataloader, train=train is not None)
+    if train is not None:
+        spec = data.spec if data.spec is not None else DataSpec(dataloader)
+    else:
+        spec = spec_for(state, dataloader)
 
     def describe(batch: Any) -> tuple[int, int]:
         return _describe(spec, batch, size())

@@ -6,15 +6,13 @@ get_num_samples_in_batch=..., split_batch=...)``). UnevenJoin's per-step agreeme
 report and its microbatch bookkeeping (DDP's last-microbatch sync under ``multi_auto_sync``,
 FSDP's padding) use the same functions:
 
-* :func:`spec_for`: the ``DataSpec`` of the dataloader being wrapped (the trainer's train ``DataSpec``, found on
-  the call stack, :func:`composer_join.core.compat.train_data_spec`; or the evaluator's), found from inside one of
+* :func:`spec_for`: the ``DataSpec`` of an evaluation's or ``predict()``'s dataloader, found from inside one of
   Composer's events; an evaluator is the one whose ``DataSpec`` holds the dataloader itself (:func:`evaluator_for`:
-  by identity, never by label, which two evaluators may share);
+  by identity, never by label, which two evaluators may share). A fit's is the trainer's train ``DataSpec``, found
+  once by the fit's session on the call stack (:func:`composer_join.core.compat.train_view`);
 * :func:`made_as_composer_makes_it`: a batch as the dataloader yields it, made into the first microbatch Composer
   would make of it (the ``DataSpec``'s ``batch_transforms``, the device, its split, ``microbatch_transforms``): a
   stand-in from a template a rank has not trained on (:class:`~composer_join.join.microbatches.Microbatches`);
-  :func:`transforms_batches`: whether a ``DataSpec`` transforms batches at all (then the counts Composer trains are
-  taken again after its transform, :mod:`composer_join.interop.replan`);
 * :func:`count_microbatches`: Composer's default split makes ``ceil(samples / microbatch size)``
   microbatches (computed, nothing split); a custom ``split_batch`` is called on the batch and its
   microbatches counted;
@@ -54,7 +52,6 @@ __all__ = [
     'made_as_composer_makes_it',
     'spec_for',
     'split_gave_empty',
-    'transforms_batches',
     'unwrapped_split',
 ]
 
@@ -76,29 +73,19 @@ def evaluator_for(state: State, dataloader: Any) -> Optional[Evaluator]:
     return found
 
 
-def spec_for(state: State, dataloader: Any, train: bool) -> DataSpec:
-    """The ``DataSpec`` Composer counts and splits ``dataloader``'s batches with, from inside one of its events.
-
-    ``train``: the Trainer's train ``DataSpec`` (on the call stack, :func:`composer_join.core.compat.train_data_spec`;
-    ``dataloader`` may be one of UnevenJoin's over the user's, the rest of an epoch resumed elastically). Else (an
-    evaluation, ``predict()``): the ``DataSpec`` of the evaluator that holds ``dataloader`` (:func:`evaluator_for`),
-    or the one ``predict()`` was given, if it holds ``dataloader`` (:func:`composer_join.core.compat.predict_data_spec`).
-    ``DataSpec(dataloader)`` (Composer's defaults) where there is none.
+def spec_for(state: State, dataloader: Any) -> DataSpec:
+    """The ``DataSpec`` Composer counts and splits an evaluation's or ``predict()``'s ``dataloader``'s batches with,
+    from inside one of its events: the ``DataSpec`` of the evaluator that holds ``dataloader`` (:func:`evaluator_for`),
+    or the one ``predict()`` was given, if it holds ``dataloader`` (:func:`composer_join.core.compat.predict_data_spec`);
+    ``DataSpec(dataloader)`` (Composer's defaults) where there is none. (A fit's is the Trainer's train ``DataSpec``,
+    found once by its session: :func:`composer_join.core.compat.train_view`.)
     """
-    spec = compat.train_data_spec(state) if train else None
-    if spec is None and not train:
-        evaluator = evaluator_for(state, dataloader)
-        spec = evaluator.dataloader if evaluator is not None else None
-        if spec is None:
-            predicting = compat.predict_data_spec(state)
-            spec = predicting if predicting is not None and predicting.dataloader is dataloader else None
+    evaluator = evaluator_for(state, dataloader)
+    spec = evaluator.dataloader if evaluator is not None else None
+    if spec is None:
+        predicting = compat.predict_data_spec(state)
+        spec = predicting if predicting is not None and predicting.dataloader is dataloader else None
     return spec if spec is not None else DataSpec(dataloader)
-
-
-def transforms_batches(spec: Optional[DataSpec]) -> bool:
-    """Whether ``spec`` has a ``batch_transforms`` of the user's (not Composer's no-op): what Composer counts and
-    trains is then the transformed batch, which may hold other samples than the dataloader yielded."""
-    return spec is not None and compat.transforms_batches(spec)
 
 
 def made_as_composer_makes_it(spec: DataSpec, batch: Any, to_device: Callable[[Any], Any], microbatch_size: Any) -> Any:

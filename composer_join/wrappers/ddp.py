@@ -35,7 +35,7 @@ from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.exchange import TorchExchange
 from composer_join.core.plan import StepPlan
-from composer_join.core.settings import Facts
+from composer_join.core.settings import SHADOW_WAYS, Facts
 from composer_join.interop.oom import OOMChecks
 from composer_join.shadow.buffers import BufferGuard
 from composer_join.shadow.gradients import UnusedParameters, no_sparse_rows, share_grad_presence
@@ -360,17 +360,21 @@ class DDPWrapper(Wrapper):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.source.rank = int(state.get('buffer_source', 0))
 
-    def shadow_way_name(self, state: State) -> str:
-        return self.way.name if state.model is self.hooked else way_name(state.model)
-
-    def learned(self, state: State) -> dict[str, Any]:
-        """What this rank learned of the model in earlier fits (no loss seen yet: ``fresh``; its forward's
-        collectives: ``forward``), where its shadow microbatches run no model code (the default way)."""
-        if way_name(state.model) != NoModelCode.name:
-            return {}
+    def facts(self, state: State) -> dict[str, Any]:
+        """The shadow way (:func:`way_name`: the model's, kept once hooked), and what this rank learned of the model in
+        earlier fits where its shadow microbatches run no model code (the default way): no loss seen yet
+        (``fresh``), its forward's collectives (``forward``)."""
+        name = self.way.name if state.model is self.hooked else way_name(state.model)
+        facts: dict[str, Any] = {'shadow': SHADOW_WAYS.index(name)}
+        if name != NoModelCode.name:
+            return facts
         if state.model is not self.hooked:
-            return {'fresh': True}
-        return {'forward': self.probe.fact() if self.probe is not None else 0, 'fresh': not self.way.loss_shape.known}
+            return {**facts, 'fresh': True}
+        return {
+            **facts,
+            'forward': self.probe.fact() if self.probe is not None else 0,
+            'fresh': not self.way.loss_shape.known,
+        }
 
     def agreed(self, state: State, facts: Sequence[Facts]) -> None:
         if self.probe is not None:
@@ -413,8 +417,7 @@ class DDPWrapper(Wrapper):
         if isinstance(self.way, NoModelCode):  # its gradient buckets, kept while this iteration's shadow steps run
             changes.call(self.way.stand_in.release)
         self.unused.attach(changes)  # its hooks on the parameters, on a step that needs them
-        spec = compat.train_data_spec(state)
-        if spec is not None:
+        if spec is not None:  # the Trainer's train DataSpec
             # Forwards that communicate ('zero'): every rank runs the step's largest microbatch count (the
             # padding FSDP uses). Otherwise only count microbatches, for automatic microbatching's OOM checks.
             pad = self.way.pads

@@ -226,11 +226,6 @@ class FSDPWrapper(Wrapper):
             self.units = GradientUnits(state.model)
             if len(self.units):
                 host_group()  # made here, on every rank at once (a collective), not at a first check an OOM may skip
-        if train and compat.train_data_spec(state) is None:
-            raise UnevenInputsError(
-                "UnevenJoin under FSDP could not find the Trainer's train DataSpec to pad microbatches; it must run "
-                'inside composer.Trainer.fit()',
-            )
 
     def install(
         self,
@@ -244,7 +239,11 @@ class FSDPWrapper(Wrapper):
         ``DataSpec``, with its own sample count, errors raised on every rank at the first loss; an evaluation: the
         evaluator's, errors raised at once."""
         if train:
-            spec = compat.train_data_spec(state)
+            if spec is None:
+                raise UnevenInputsError(
+                    "UnevenJoin under FSDP could not find the Trainer's train DataSpec to pad microbatches; it must "
+                    'run inside composer.Trainer.fit()',
+                )
             failures = self.failures if len(self.units) else None
             count = spec.get_num_samples_in_batch
             MicrobatchPadding.install(

@@ -24,11 +24,10 @@ The contract. :class:`~composer_join.UnevenJoin`'s run picks one wrapper with
 (:mod:`composer_join.join.fit`, :mod:`composer_join.join.evaluation`) call it on every rank, in this order::
 
     wrapper.load_state_dict(saved)              # once chosen: what a checkpoint held ({} if none)
-    wrapper.shadow_way_name(state)              # FIT_START, for the first agreement (how shadow microbatches run)
-    wrapper.learned(state)                      # FIT_START, for the first agreement (what earlier fits taught it)
+    wrapper.facts(state)                        # FIT_START, for the first agreement (shadow way, what fits taught it)
     wrapper.start(state, train)                 # FIT_START (train), EVAL_START, PREDICT_START: idempotent
     wrapper.agreed(state, facts)                # FIT_START, after start: every rank's facts from the first agreement
-    wrapper.install(changes, state, plan, train)  # each iteration over a dataloader opens, with its register
+    wrapper.install(changes, state, plan, train, spec)  # each iteration over a dataloader opens, with its register
     wrapper.watches(state, plan)                # BEFORE_TRAIN_BATCH of a step where no rank shadows: needed?
     wrapper.begin_step(state, plan)             # BEFORE_TRAIN_BATCH of a step UnevenJoin runs in
     with wrapper.microbatch(state, plan, shadow, samples) as mb:  # BEFORE_FORWARD of each of its microbatches
@@ -66,7 +65,7 @@ from composer.core import DataSpec, State
 
 from composer_join.core.changes import Changes
 from composer_join.core.plan import StepPlan
-from composer_join.core.settings import Facts
+from composer_join.core.settings import SHADOW_WAYS, Facts
 
 __all__ = ['Microbatch', 'Wrapper']
 
@@ -114,17 +113,13 @@ class Wrapper:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Called once the wrapper is chosen, with what :meth:`state_dict` saved (``{}`` without a checkpoint)."""
 
-    def shadow_way_name(self, state: State) -> str:
-        """How this rank's shadow microbatches of a fit will run (one of
-        :data:`composer_join.core.settings.SHADOW_WAYS`); asked before :meth:`start`, for the first agreement
-        (the collectives a shadow microbatch issues follow from it: it must be the same on every rank)."""
-        return 'none'
-
-    def learned(self, state: State) -> dict[str, Any]:
-        """What this rank learned of the model in the trainer's earlier fits that decides a shadow microbatch's
-        collectives or take-backs, as :class:`~composer_join.core.settings.Facts` fields for the fit's first agreement
-        (``forward``, ``fresh``); asked before :meth:`start`."""
-        return {}
+    def facts(self, state: State) -> dict[str, Any]:
+        """This rank's :class:`~composer_join.core.settings.Facts` fields of the model, for a fit's first agreement,
+        asked at ``FIT_START`` before :meth:`start`: how its shadow microbatches will run (``shadow``, an index of
+        :data:`~composer_join.core.settings.SHADOW_WAYS`: the collectives a shadow microbatch issues follow from it),
+        and what it learned of the model in the trainer's earlier fits that decides a shadow microbatch's collectives
+        or take-backs (``forward``, ``fresh``). Default: not wrapped (``'none'``)."""
+        return {'shadow': SHADOW_WAYS.index('none')}
 
     def agreed(self, state: State, facts: Sequence[Facts]) -> None:
         """``FIT_START``, after :meth:`start`: every rank's facts from the fit's first agreement, to decide from
@@ -143,10 +138,10 @@ class Wrapper:
         spec: Optional[DataSpec] = None,
     ) -> None:
         """An iteration over the train (``train``) or an eval or predict dataloader opens: make this wrapper's changes
-        through ``changes``, its register; ``plan()`` gives the plan of the step running at any time. ``spec``: an
-        evaluation's ``DataSpec``, that of the evaluator holding the dataloader Composer iterates
-        (:func:`~composer_join.shadow.dataspec.evaluator_for`); None in training (the Trainer's train ``DataSpec``)
-        and ``predict()``."""
+        through ``changes``, its register; ``plan()`` gives the plan of the step running at any time. ``spec``: the
+        ``DataSpec`` Composer splits the dataloader's batches with, found once by the session: in training the
+        Trainer's train ``DataSpec`` (None where it was not found), in an evaluation that of the evaluator holding the
+        dataloader Composer iterates (:func:`~composer_join.shadow.dataspec.evaluator_for`); None in ``predict()``."""
 
     def watches(self, state: State, plan: StepPlan) -> bool:
         """Whether a training step where no rank shadows still needs :meth:`begin_step` and :meth:`microbatch`,

@@ -163,10 +163,14 @@ class RankExchange(Exchange):
     def rows(self, row: Sequence[int], what: str) -> Pending:
         return _Rows(self.lockstep, self.rank, self.lockstep.post(self.rank, what, [int(v) for v in row]))
 
-    def gather(self, obj: Any) -> list[Any]:
+    def reduce(self, values: torch.Tensor, op: str, what: str) -> torch.Tensor:
+        every = self.lockstep.meet(self.rank, self.lockstep.post(self.rank, f'reduce ({op})', values.clone()))
+        return torch.stack(every).amax(0) if op == 'max' else torch.stack(every).sum(0)
+
+    def gather(self, obj: Any, what: str = '') -> list[Any]:
         return self.lockstep.meet(self.rank, self.lockstep.post(self.rank, 'gather', obj))
 
-    def broadcast(self, obj: Any, src: int) -> Any:
+    def broadcast(self, obj: Any, src: int, what: str = '') -> Any:
         return self.lockstep.meet(self.rank, self.lockstep.post(self.rank, f'broadcast from {src}', obj))[src]
 
 

@@ -1,8 +1,10 @@
-"""The collectives the join's agreements ride on, on real ranks: one all-reduce of a row per rank, and two object ones.
+"""The collectives UnevenJoin issues, on real ranks: rows of integers, small reductions, and two object ones.
 
-Owns :class:`TorchExchange`, the :class:`~composer_join.core.protocol.Exchange` the loader is given on real ranks
-(``torch.distributed`` through Composer's ``dist``), and the first agreement of every fit, evaluation and
-``predict()`` (:func:`agree_on_length`), which carries every rank's length, settings and facts.
+Owns :class:`TorchExchange`, the :class:`~composer_join.core.protocol.Exchange` on real ranks (``torch.distributed``
+through Composer's ``dist``), through which every collective of UnevenJoin's own goes, each named by its entry of
+:mod:`composer_join.core.catalogue` (``what``, a :class:`~composer_join.core.catalogue.Said`), and the first agreement
+of every fit, evaluation and ``predict()`` (:func:`agree_on_length`), which carries every rank's length, settings and
+facts. :func:`listening` lets a diagnostic (or a test) hear every collective issued through it.
 
 An exchange of rows is one ``all_reduce`` of a ``world_size x len(row)`` integer table in which each rank fills only
 its own row, so the sum is every rank's row in place: ``8 * 13 * W`` bytes for a step's agreement, started
@@ -14,47 +16,85 @@ batch (its template).
 Example::
 
     exchange = TorchExchange(state.device.tensor_to_device)
-    table = exchange.rows([1, 8, 1], 'the agreement on batch 4 of epoch 0').wait()  # every rank's row
+    said = STEP_AGREEMENT.said('the agreement on batch 4 of epoch 0')
+    table = exchange.rows([1, 8, 1], said).wait()  # every rank's row
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
 from composer.utils import dist
 
+from composer_join.core.catalogue import FIRST_AGREEMENT
 from composer_join.core.peers import lost_peer
 from composer_join.core.protocol import Exchange, Pending, agreed_lengths
 from composer_join.core.settings import Facts, mismatch_error
 from composer_join.core.settings import check as check_settings
 
-__all__ = ['TorchExchange', 'agree_on_length']
+__all__ = ['TorchExchange', 'agree_on_length', 'listening']
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]
 
+_LISTENERS: list[Callable[[str], None]] = []
+_OPS = {'max': torch.distributed.ReduceOp.MAX, 'sum': torch.distributed.ReduceOp.SUM}
+
+
+@contextlib.contextmanager
+def listening(listener: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, ``listener(what)`` is called in this process as each collective is issued through the
+    exchange, before it runs (``what``: the call's :class:`~composer_join.core.catalogue.Said`, which names its
+    catalogue entry). Cost: nothing outside the block."""
+    _LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _LISTENERS.remove(listener)
+
+
+def _issue(what: str) -> None:
+    for listener in _LISTENERS:
+        listener(what)
+
 
 class TorchExchange(Exchange):
-    """The real exchange: ``torch.distributed`` on the default process group, tensors on the trainer's device.
+    """The real exchange: ``torch.distributed`` on the default process group (or ``group``), tensors on the trainer's
+    device.
 
-    ``to_device``: the trainer's ``state.device.tensor_to_device`` (NCCL takes CUDA tensors only).
+    ``to_device``: the trainer's ``state.device.tensor_to_device`` (NCCL takes CUDA tensors only); ``group``: a
+    process group of every rank (FSDP's host group: gloo beside NCCL, :func:`composer_join.wrappers.fsdp.host_group`).
     """
 
-    def __init__(self, to_device: ToDevice = lambda t: t):
-        self.to_device = to_device
+    def __init__(self, to_device: ToDevice = lambda t: t, group: Any = None):
+        self.to_device, self.group = to_device, group
         self.rank, self.world = dist.get_global_rank(), dist.get_world_size()
 
     def rows(self, row: Sequence[int], what: str) -> Pending:
+        _issue(what)
         table, work = _exchange_rows(row, self.to_device)
         return _Rows(table, work, what)
 
-    def gather(self, obj: Any) -> list[Any]:
-        return dist.all_gather_object(obj)
+    def reduce(self, values: torch.Tensor, op: str, what: str) -> torch.Tensor:
+        """``values`` moved to the device (``to_device``), then reduced in place over every rank (blocking)."""
+        _issue(what)
+        values = self.to_device(values)
+        with lost_peer(what):
+            torch.distributed.all_reduce(values, op=_OPS[op], group=self.group)
+        return values
 
-    def broadcast(self, obj: Any, src: int) -> Any:
+    def gather(self, obj: Any, what: str) -> list[Any]:
+        _issue(what)
+        with lost_peer(what):
+            return dist.all_gather_object(obj)
+
+    def broadcast(self, obj: Any, src: int, what: str) -> Any:
+        _issue(what)
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        with lost_peer(what):
+            dist.broadcast_object_list(box, src=src)
         return box[0]
 
 
@@ -92,6 +132,7 @@ def agree_on_length(
     """
     facts = facts if facts is not None else Facts()
     extra = [*settings, *facts.row()] if settings else []
+    _issue(FIRST_AGREEMENT.said(f'the first agreement of {facts.label!r}'))
     table, work = _exchange_rows(
         [-1 if own_len is None else own_len, -1 if current_len is None else current_len, *extra], to_device
     )

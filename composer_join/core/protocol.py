@@ -40,10 +40,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional, cast
 
+from composer_join.core.catalogue import STEP_AGREEMENT, STRUCTURES, WHO_FAILED
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import RankStatus, StepPlan, plan_from_lengths, steps_planned_from_lengths
 
 if TYPE_CHECKING:
+    import torch
+
     from composer_join.core.layout import Layout
 
 __all__ = [
@@ -68,7 +71,8 @@ class Pending(abc.ABC):
 
 
 class Exchange(abc.ABC):
-    """The collectives the protocol rides on, injected; called on every rank in the same order.
+    """The collectives the protocol rides on, injected; called on every rank in the same order. ``what``: the call's
+    words, naming its entry of :mod:`composer_join.core.catalogue` (:meth:`~composer_join.core.catalogue.Collective.said`).
 
     Attributes:
         rank: this rank.
@@ -84,11 +88,16 @@ class Exchange(abc.ABC):
         exchange and the step, in words, for what a rank says if a peer is gone while it waits."""
 
     @abc.abstractmethod
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (picklable), on every rank: only on error paths."""
+    def reduce(self, values: torch.Tensor, op: str, what: str) -> torch.Tensor:
+        """``values`` (a tensor, the same shape on every rank) reduced over every rank, ``op`` ``'max'`` or ``'sum'``;
+        returned (on the exchange's device)."""
 
     @abc.abstractmethod
-    def broadcast(self, obj: Any, src: int) -> Any:
+    def gather(self, obj: Any, what: str) -> list[Any]:
+        """Every rank's ``obj`` (picklable), on every rank: only on error paths and at checkpoints."""
+
+    @abc.abstractmethod
+    def broadcast(self, obj: Any, src: int, what: str) -> Any:
         """Rank ``src``'s ``obj`` (picklable), on every rank."""
 
 
@@ -239,7 +248,7 @@ class Agreement:
 
     def __init__(self, step: int, row: RankStatus, exchange: Exchange, where: str = ''):
         self.step = step
-        self._pending = exchange.rows(row.row(), f'the agreement on {where or f"step {step}"}')
+        self._pending = exchange.rows(row.row(), STEP_AGREEMENT.said(f'the agreement on {where or f"step {step}"}'))
         self._plan: Optional[StepPlan] = None
 
     def plan(self) -> StepPlan:
@@ -423,14 +432,15 @@ class Protocol:
             return
         step, error = self.failure if self.failure is not None else (None, None)
         short = self.failure is not None and error is None
-        what = 'the agreement on which ranks could not form a batch'
+        what = WHO_FAILED.said('the agreement on which ranks could not form a batch')
         table = self.exchange.rows([-1 if step is None else step, int(short)], what).wait()
         failed = [None if s < 0 else (int(s), bool(f)) for s, f in table]
         if all(f is None for f in failed):
             return  # no rank failed: Composer ended the epoch by its own count (fit(duration=...), spin_dataloaders)
         causes: list[Optional[str]] = []
         if any(f is not None and not f[1] for f in failed):  # on every rank alike: only on this error path
-            causes = self.exchange.gather(None if error is None else f'{type(error).__name__}: {error}')
+            cause = None if error is None else f'{type(error).__name__}: {error}'
+            causes = self.exchange.gather(cause, WHO_FAILED.said('the gather of the causes of the ranks that failed'))
         if error is not None:
             raise error
         ran_short = [r for r, f in enumerate(failed) if f is not None and f[1]]
@@ -466,7 +476,8 @@ class Protocol:
         except UnevenInputsError as e:
             return e
         if plan.structures_differ:
-            structures = self.exchange.gather(structure())  # only on this error path, on every rank
+            said = STRUCTURES.said(f"the gather of the batches' structures at step {plan.step}")
+            structures = self.exchange.gather(structure(), said)  # only on this error path, on every rank
             per_rank = '; '.join(f'rank {r}: {d}' for r, d in enumerate(structures))
             return UnevenInputsError(
                 f'at step {plan.step} of epoch {self.epoch} rank(s) {plan.joined_ranks} shadow with a batch shaped '

@@ -57,9 +57,10 @@ from typing import Any, NamedTuple, Optional
 from composer.core import State
 from composer.utils import dist
 
+from composer_join.core.catalogue import POSITIONS
 from composer_join.core.errors import UnevenInputsError
+from composer_join.core.exchange import TorchExchange
 from composer_join.core.layout import Layout
-from composer_join.core.peers import lost_peer
 from composer_join.core.report import EpochReport
 from composer_join.data.positions import Position, Reading
 
@@ -193,10 +194,9 @@ class RankPositions:
             error: Optional[UnevenInputsError] = None
         except UnevenInputsError as e:
             mine, error = {'error': str(e)}, e
-        with lost_peer(
-            f'the gather of train data positions for the checkpoint after batch {int(self.state.timestamp.batch)}'
-        ):
-            gathered = dist.all_gather_object(mine)
+        batch = int(self.state.timestamp.batch)
+        said = POSITIONS.said(f'the gather of train data positions for the checkpoint after batch {batch}')
+        gathered = TorchExchange().gather(mine, said)
         failed = [r for r, entry in enumerate(gathered) if 'error' in entry]
         if failed and not strict:
             return

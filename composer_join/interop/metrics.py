@@ -50,12 +50,13 @@ from typing import Any, Optional
 
 import torch
 from composer.core import State
-from composer.utils import dist
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
 from composer_join.core import compat
+from composer_join.core.catalogue import METRIC_LISTS
+from composer_join.core.exchange import TorchExchange
 
 __all__ = ['MetricStates', 'count_shadow_update', 'has_list_states', 'shadow_update']
 
@@ -196,8 +197,10 @@ class MetricStates:
         """
         counts = [len(getattr(leaf, attr)) for _, leaf, attr, _ in padding]
         stuck = [int(empty is None) for _, _, _, empty in padding]
-        rows = self.to_device(torch.tensor(counts + [-c for c in counts] + stuck, dtype=torch.int64))
-        dist.all_reduce(rows, reduce_operation='MAX')
+        said = METRIC_LISTS.said("the all-reduce of the list-state metrics' counts")
+        rows = TorchExchange(self.to_device).reduce(
+            torch.tensor(counts + [-c for c in counts] + stuck, dtype=torch.int64), 'max', said
+        )
         n = len(padding)
         agreed: list[int] = rows.tolist()
         longest, shortest, stuck = agreed[:n], [-c for c in agreed[n : 2 * n]], agreed[2 * n :]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from composer_join.core.catalogue import RECOUNT
 from composer_join.core.plan import StepPlan
 from composer_join.core.protocol import Exchange
 
@@ -51,7 +52,7 @@ def replan(
         own = dataclasses.replace(plan.statuses[rank], samples=samples, microbatches=microbatches)
         return dataclasses.replace(plan, statuses=tuple(own if r == rank else s for r, s in enumerate(plan.statuses)))
     assert exchange is not None, 'an agreed step is recounted over the exchange it was agreed over'
-    gathered = exchange.rows([samples, microbatches], f'the recount of step {plan.step}').wait()
+    gathered = exchange.rows([samples, microbatches], RECOUNT.said(f'the recount of step {plan.step}')).wait()
     statuses = tuple(
         dataclasses.replace(status, samples=counts[0], microbatches=counts[1])
         for status, counts in zip(plan.statuses, gathered)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Optional, Union, cast
 
 from composer_join.core.batches import content_crc, first_samples, to_cpu
+from composer_join.core.catalogue import TEMPLATE
 from composer_join.core.changes import Changes
 from composer_join.core.plan import RankStatus, StepPlan
 from composer_join.core.protocol import Exchange, Protocol, Rules, Ticket
@@ -83,7 +84,8 @@ class Learned:
 
     def share(self, exchange: Exchange, src: int) -> None:
         """Rank ``src``'s template, sent to every rank (one broadcast); kept by a rank that has none."""
-        received = exchange.broadcast(self.template if exchange.rank == src else None, src)
+        said = TEMPLATE.said(f"rank {src}'s template for ranks that never had data")
+        received = exchange.broadcast(self.template if exchange.rank == src else None, src, said)
         if self.template is None:
             self.template = received
             log.info('rank %d has no data of its own; shaped its shadow batches after rank %d', exchange.rank, src)

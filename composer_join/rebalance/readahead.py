@@ -65,6 +65,7 @@ from typing import Any, Optional
 import torch
 
 from composer_join.core.batches import map_tensors
+from composer_join.core.catalogue import READAHEAD_LEVELS
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.exchange import TorchExchange
 from composer_join.core.layout import Layout
@@ -306,7 +307,8 @@ class ReadAheadRebalancer(Rebalancer):
         except Exception as e:
             failure = e
         row = [-1 if failure is not None else len(source.buffer), int(source.drained)]
-        table = self.exchange.rows(row, "the exchange of the ranks' read-ahead levels at the epoch's start").wait()
+        said = READAHEAD_LEVELS.said("the exchange of the ranks' read-ahead levels at the epoch's start")
+        table = self.exchange.rows(row, said).wait()
         rows = [(int(h), bool(d)) for h, d in table]
         if failure is not None:
             raise failure

@@ -51,9 +51,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
-from composer.utils import dist
 
+from composer_join.core.catalogue import BYTES_SENT
 from composer_join.core.errors import UnevenInputsError
+from composer_join.core.exchange import TorchExchange
 from composer_join.core.layout import Layout
 from composer_join.core.plan import len_or_none
 from composer_join.core.report import EpochReport
@@ -176,8 +177,9 @@ class Rebalancer(BatchSource):
         """
         sent = torch.zeros(len(self.counts), dtype=torch.int64)
         sent[self.rank] = self.bytes_sent
-        sent = self.to_device(sent)
-        dist.all_reduce(sent, reduce_operation='SUM')
+        sent = TorchExchange(self.to_device).reduce(
+            sent, 'sum', BYTES_SENT.said('the all-reduce of the bytes each rank sent')
+        )
         counts = {k: self.layout.leaders(v) for k, v in self.counts_per_rank().items()}
         report.own_batches, report.received_batches, report.given_batches = (
             counts['own_batches'],

@@ -24,10 +24,11 @@ from functools import partial
 from typing import Any
 
 import torch
-from composer.utils import dist
 
 from composer_join.core.batches import map_tensors
+from composer_join.core.catalogue import GRADIENT_PRESENCE, UNUSED_PARAMETERS
 from composer_join.core.changes import Changes
+from composer_join.core.exchange import TorchExchange
 
 __all__ = ['UnusedParameters', 'no_sparse_rows', 'reached_leaves', 'scale_grad', 'share_grad_presence']
 
@@ -102,8 +103,10 @@ def share_grad_presence(
     parameter tensor.
     """
     params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group['params']]
-    present = to_device(torch.tensor([p.grad is not None for p in params], dtype=torch.uint8))
-    dist.all_reduce(present, reduce_operation='MAX')
+    said = GRADIENT_PRESENCE.said('the all-reduce of which parameters have a gradient on some rank')
+    present = TorchExchange(to_device).reduce(
+        torch.tensor([p.grad is not None for p in params], dtype=torch.uint8), 'max', said
+    )
     for p, anywhere in zip(params, present.tolist()):
         if anywhere and p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -214,8 +217,9 @@ class UnusedParameters:
 
     def finish(self, to_device: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
         self.stop()
-        used = to_device(torch.tensor([i in self._used for i in range(len(self.params))], dtype=torch.uint8))
-        dist.all_reduce(used, reduce_operation='MAX')
+        said = UNUSED_PARAMETERS.said('the all-reduce of which parameters a real sample used')
+        used = torch.tensor([i in self._used for i in range(len(self.params))], dtype=torch.uint8)
+        used = TorchExchange(to_device).reduce(used, 'max', said)
         for p, anywhere in zip(self.params, used.tolist()):
             if not anywhere:
                 p.grad = None

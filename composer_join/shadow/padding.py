@@ -27,8 +27,10 @@ from composer.utils import dist
 
 from composer_join.core import compat
 from composer_join.core.batches import first_samples
+from composer_join.core.catalogue import MICROBATCH_COUNTS
 from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
+from composer_join.core.exchange import TorchExchange
 from composer_join.core.plan import StepPlan
 from composer_join.interop.oom import OOMChecks
 
@@ -101,11 +103,9 @@ class MicrobatchPadding:
         counts = [s.microbatches for s in plan.statuses]  # for the microbatch size in force (StepPlan.recounted)
         if 0 in counts:
             # Not all counts are known (a step planned from the lengths alone, or batches Composer's
-            # default DataSpec cannot count): every rank is here, so agree on them now (one all-reduce of
-            # the largest count and of the smallest, negated).
-            mine = self.to_device(torch.tensor([len(microbatches), -len(microbatches)]))
-            dist.all_reduce(mine, reduce_operation='MAX')
-            counts = [int(mine[0].item()), -int(mine[1].item())]
+            # default DataSpec cannot count): every rank is here, so every rank's count now (one exchange of rows).
+            said = MICROBATCH_COUNTS.said(f'the microbatch counts of step {plan.step} at its split')
+            counts = [row[0] for row in TorchExchange(self.to_device).rows([len(microbatches)], said).wait()]
         target = max(counts)
         self.uneven = min(counts) != target
         if self.checks is not None:

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from composer_join.core.batches import first_samples
+from composer_join.core.catalogue import ZERO_SAMPLES
 from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import StepPlan
@@ -89,7 +90,8 @@ class ZeroSampleCheck:
         if self.refused is not None:
             return
         self.error = zero_sample_error(module, batch)
-        table = exchange.rows([int(self.error is not None)], 'whether every rank takes zero samples').wait()
+        said = ZERO_SAMPLES.said('whether every rank takes zero samples')
+        table = exchange.rows([int(self.error is not None)], said).wait()
         self.refused = [rank for rank, row in enumerate(table) if row[0]]
 
     def raise_if_needed(self, plan: StepPlan, zero_sample_microbatches: bool) -> None:

@@ -37,8 +37,10 @@ from composer.utils import dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from composer_join.core import compat
+from composer_join.core.catalogue import FSDP_UNITS
 from composer_join.core.changes import Changes
 from composer_join.core.errors import UnevenInputsError
+from composer_join.core.exchange import TorchExchange
 from composer_join.core.plan import StepPlan
 from composer_join.interop.oom import OOMChecks
 from composer_join.shadow.buffers import BufferGuard
@@ -163,7 +165,8 @@ class GradientUnits:
             for unit, leaf in enumerate(self._leaves())
         ]
         used = torch.tensor(uses + flags, dtype=torch.int32)
-        torch.distributed.all_reduce(used, op=torch.distributed.ReduceOp.SUM, group=host_group())  # CPU tensor, gloo
+        said = FSDP_UNITS.said(f'the all-reduce of the FSDP units used at step {plan.step}')
+        used = TorchExchange(group=host_group()).reduce(used, 'sum', said)  # a CPU tensor, over gloo
         used, failed = used[: len(self)], [r for r, f in enumerate(used[len(self) :].tolist()) if f]
         if failure is not None:
             raise failure

@@ -24,6 +24,7 @@ from typing import Optional
 from torch.nn.parallel import DistributedDataParallel
 
 from composer_join.core import compat
+from composer_join.core.catalogue import STATIC_GRAPH_COUNTS
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import StepPlan
 from composer_join.core.protocol import Exchange
@@ -55,7 +56,8 @@ def first_iteration_syncs(plan: StepPlan, rank: int, strategy: Optional[str], ex
     """
     counts = [s.microbatches for s in plan.statuses]
     if not plan.agreed:
-        table = exchange.rows([counts[rank]], f'the microbatch counts of step {plan.step}').wait()
+        said = STATIC_GRAPH_COUNTS.said(f'the microbatch counts of step {plan.step}')
+        table = exchange.rows([counts[rank]], said).wait()
         counts = [int(row[0]) for row in table]
     even = len(set(counts)) == 1 and 0 not in counts
     if strategy in ('multi_auto_sync', None) and even:  # None: not known, Composer's multi_auto_sync assumed

@@ -85,6 +85,14 @@ WHO_FAILED = Collective(
     (),
 )
 
+NOTHING_UNREAD = Collective(
+    'nothing_unread',
+    "whether a dataloader of `len()` 0 yields a batch: one integer per rank, in the agreement's table all-reduce (`Exchange.rows`)",
+    '`core/protocol.py` `Protocol.check_nothing_unread`',
+    "as Composer's loop over a loader starts, where every rank's `len()` is 0 and no cap was asked for (the first agreement's lengths) and the cap is not lifted (`Facts.overcounts`, first agreement): Composer reads no batch there, so a batch would be lost",
+    (),
+)
+
 STRUCTURES = Collective(
     'structures',
     "the batches' structures: `all_gather_object`",
@@ -225,6 +233,7 @@ CATALOGUE = (
     FIRST_AGREEMENT,
     STEP_AGREEMENT,
     WHO_FAILED,
+    NOTHING_UNREAD,
     STRUCTURES,
     TEMPLATE,
     RECOUNT,

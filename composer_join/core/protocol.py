@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional, cast
 
-from composer_join.core.catalogue import STEP_AGREEMENT, STRUCTURES, WHO_FAILED
+from composer_join.core.catalogue import NOTHING_UNREAD, STEP_AGREEMENT, STRUCTURES, WHO_FAILED
 from composer_join.core.errors import UnevenInputsError
 from composer_join.core.plan import RankStatus, StepPlan, plan_from_lengths, steps_planned_from_lengths
 
@@ -213,6 +213,12 @@ class Rules:
         length = self.length
         return self.lengths.check_overflow and length is not None and step >= length
 
+    def reads_nothing(self, uncapped: bool) -> bool:
+        """Whether Composer's loop over this loader asks for no batch at all, where a batch would be lost: every
+        ``len()`` is 0, no cap was asked for (:attr:`Lengths.check_overflow`) and the cap is not lifted (``uncapped``):
+        Composer takes ``islice(loader, 0)``, so no step reads, and no step peeks. The same on every rank."""
+        return self.lengths.check_overflow and self.length == 0 and not uncapped
+
     def lifts(self, cap: Any) -> bool:
         """Whether Composer's cap ``cap`` (its ``dataloader_len``) must be lifted for a loop over this loader: it is
         the longest ``len()``, and some rank's dataloader may yield more (:attr:`Lengths.lifted`), whose extra batches
@@ -381,6 +387,16 @@ class Protocol:
             return Verdict(plan, error=self._overflow_error(overflow))
         self.beyond = self.beyond or bool(overflow)
         return Verdict(plan, template_from=plan.template_source)
+
+    def check_nothing_unread(self, yields: bool) -> None:
+        """Where Composer reads no batch (:meth:`Rules.reads_nothing`), on every rank as its loop starts: ``yields``,
+        this rank's dataloader yields a batch all the same (its ``len()`` of 0 undercounts). One exchange of one
+        integer per rank; every rank raises the overflow error naming the ranks that would lose batches."""
+        said = NOTHING_UNREAD.said(f'the check that no {self.rules.label} dataloader of len() 0 yields a batch')
+        table = self.exchange.rows([int(yields)], said).wait()
+        overflow = [r for r, row in enumerate(table) if row[0]]
+        if overflow:
+            raise self._overflow_error(overflow)
 
     def last(self, step: int) -> bool:
         """Whether ``step`` is the iteration's last by the shared length (none past it is read), unless some rank

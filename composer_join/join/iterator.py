@@ -132,6 +132,7 @@ class StepRecord:
 
 
 _FAILED = RankStatus(has_batch=False, failed=True)
+_NOTHING = object()  # what a dataloader's iterator gives where it yields nothing
 
 
 @dataclass(frozen=True)
@@ -430,6 +431,9 @@ class JoinLoader:
         started, self.on_iteration = self.on_iteration, None
         if started is not None:
             started()
+        if self.rules.reads_nothing(self.uncapped):  # Composer asks for no batch: would it lose one?
+            yields = next(iter(self.dataloader), _NOTHING) is not _NOTHING
+            Protocol(self.rules, self.exchange, self.epoch).check_nothing_unread(yields)
         iteration = self._iterating()
         self._iteration = weakref.ref(iteration)
         return iteration

@@ -11,7 +11,7 @@ Who calls what: every collective of UnevenJoin's own goes through the exchange
 words for the call (:meth:`Collective.said`, which the exchange reads back to name the collective, and which a rank
 that finds a peer gone says). The entries whose ``direct`` names modules are torch's and DDP's own collectives
 that UnevenJoin triggers or replays (DDP's buffer broadcast, a shadow microbatch's bucket all-reduces, the transfers'
-``send``/``recv``, ``new_group``): those modules call ``torch.distributed`` themselves. docs/how-it-works.md's table
+``send``/``recv``, ``new_group``): the functions named there are called by those modules themselves. docs/how-it-works.md's table
 "The collectives, and what decides them" is this list, row for row; tests/test_catalogue.py checks both that and that
 no other module calls a ``torch.distributed`` collective. Nothing here runs anything.
 
@@ -40,9 +40,9 @@ class Collective(NamedTuple):
     """Where it is issued (module, object)."""
     when: str
     """When it runs: the fact that decides it, and why every rank has it alike."""
-    direct: tuple[str, ...] = ()
-    """The modules (under ``composer_join/``) that issue it through ``torch.distributed`` or DDP themselves; empty:
-    through the exchange."""
+    direct: tuple[tuple[str, str], ...] = ()
+    """Where it is issued through ``torch.distributed`` or DDP themselves, not through the exchange: ``(module under
+    composer_join/, the function called)`` pairs; empty: through the exchange."""
 
     def said(self, words: str) -> Said:
         """``words`` for one call of this collective (what a rank says if a peer is gone while it waits), carrying
@@ -130,7 +130,7 @@ DDP_BUFFERS = Collective(
     "DDP's buffers: DDP's broadcast, from the agreed buffer source",
     '`wrappers/ddp.py`',
     "DDP's own, before a synced forward (its hook names the source from the step plans); again at `FIT_END`, `EVAL_START` and where a checkpoint is saved, if DDP broadcasts buffers (DDP's setting)",
-    ('core/compat.py',),
+    (('core/compat.py', '_default_broadcast_coalesced'),),
 )
 
 DDP_SHADOW = Collective(
@@ -138,7 +138,7 @@ DDP_SHADOW = Collective(
     "a shadow microbatch's DDP collectives (buffer broadcast, one all-reduce per bucket, the used-parameter map, the first bucket rebuild)",
     '`shadow/shadow.py` `DDPShadow`',
     "on shadow microbatches (the step plan) where shadow microbatches run no model code (`Facts.shadow`: the way, agreed at `FIT_START`), on a rank that has seen a loss of the model (`Facts.fresh`: one that has not runs the model on the template instead, a forward) and unless some rank's probe found a collective in the model's forward (`Facts.forward`, and this fit's probes at its first step: every rank then stops at the first shadow step)",
-    ('shadow/shadow.py',),
+    (('shadow/shadow.py', 'allreduce'),),
 )
 
 GRADIENT_PRESENCE = Collective(
@@ -218,7 +218,7 @@ TRANSFERS = Collective(
     "batch transfers: `send`/`recv` (a group of their own, the channel's `Wire`)",
     '`rebalance/transfer.py`',
     'the rebalancing schedule (the agreed lengths) or the read-ahead rule (the agreed levels)',
-    ('rebalance/transfer.py',),
+    (('rebalance/transfer.py', 'send'), ('rebalance/transfer.py', 'recv')),
 )
 
 NEW_GROUP = Collective(
@@ -226,7 +226,7 @@ NEW_GROUP = Collective(
     '`new_group` (collective)',
     '`rebalance/transfer.py`, `wrappers/fsdp.py`',
     "the first batch channel (`mode='rebalance'`, at `FIT_START`); under NCCL, FSDP's gloo group for the unit check, at the first `FIT_START` of a model with units (Composer's parallelism)",
-    ('rebalance/transfer.py', 'wrappers/fsdp.py'),
+    (('rebalance/transfer.py', 'new_group'), ('wrappers/fsdp.py', 'new_group')),
 )
 
 CATALOGUE = (

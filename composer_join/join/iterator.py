@@ -250,8 +250,7 @@ class JoinLoader:
         source: where this rank's batches come from (:class:`~composer_join.core.source.BatchSource`: its own
             dataloader, or a rebalancer over it), chosen by :func:`~composer_join.join.loader.batch_source`.
         glue: what it needs from Composer (:class:`Glue`).
-        rules: what the protocol decides from (:class:`~composer_join.core.protocol.Rules`: the lengths, this
-            rank, the layout, ``throw_on_early_termination``, the label).
+        rules: what the protocol decides from (:class:`~composer_join.core.protocol.Rules`).
         exchange: the collectives (:class:`~composer_join.core.protocol.Exchange`).
         learned: what was learned from this dataloader's batches before (:class:`Learned`), or a new record.
         positions: train data that keeps its own position (:class:`~composer_join.data.resume.RankPositions`):

@@ -236,6 +236,8 @@ class Outcome:
     epochs: list[list[Optional[list[int]]]] = field(default_factory=list)
     agreed: int = 0  # agreed steps
     seconds: float = 0.0  # this rank's own time in the loop (the model's tables excluded)
+    agreed_seconds: list[float] = field(default_factory=list)  # per agreed step: its time (tables excluded)
+    planned_seconds: list[float] = field(default_factory=list)  # per planned step
     setup: float = 0.0  # building the loader (the sized schedule, for rebalancing)
     bytes: int = 0  # agreement bytes, per rank, all steps
     sends: list[tuple[int, int, list[int]]] = field(default_factory=list)
@@ -275,6 +277,7 @@ def run_rank(
         out.epochs.append(steps)
         batches = iter(loader)
         for _ in range(cap if cap is not None else 10**9):
+            t0, b0 = time.perf_counter(), model.build_seconds
             try:
                 batch = next(batches)
             except StopIteration:
@@ -286,7 +289,10 @@ def run_rank(
             if reads:  # what the algorithm reads at every step
                 record.any_shadow, plan.grad_factor(True), plan.even_microbatches  # noqa: B018
                 plan.statuses[rank].samples  # noqa: B018
-            steps.append(batch.tolist() if plan.has_batch(rank) else None)
+            own = plan.has_batch(rank)
+            spent = time.perf_counter() - t0 - (model.build_seconds - b0)
+            (out.agreed_seconds if plan.agreed else out.planned_seconds).append(spent)
+            steps.append(batch.tolist() if own else None)
         batches.close()
         loader.check_ended_together()
     out.seconds = time.perf_counter() - start - model.build_seconds

@@ -1,0 +1,158 @@
+"""The join's own cost at W = 8..4,096 ranks, measured by simulation on one core (``tests/scaled.py``).
+
+Run alone (not part of ``make bench``)::
+
+    .venv/bin/python benchmarks/scale.py                      # W = 8 .. 4,096, shards of 1,000 batches (~minutes)
+    .venv/bin/python benchmarks/scale.py --worlds 64 1024 --mean 100
+
+What is measured, and how
+-------------------------
+Shards as in issue #48: ``mean`` batches +-10% per rank, 1% of ranks (at least one) empty, 1% with twice the data,
+4 samples per batch (the last of each shard partial). One rank's real ``JoinLoader``, ``Protocol`` and rebalancer
+run; the other ranks' rows are supplied as the agreement would (``tests/scaled.py``, cross-checked against every
+rank simulated at once in ``tests/test_scaled.py``). Per world size:
+
+* **decision CPU per agreed step** (``mode='shadow'``, where one empty shard makes every step agreed): the rank's
+  time in ``next()`` and in the record reads the algorithm makes, the simulated exchange's tables excluded;
+  median over the epoch's steps, and per planned step (``mode='rebalance'``, with ``len()``);
+* **bytes per step**: the agreement's all-reduce payload, ``8 x 13 x W``;
+* **steps vs ideal**: ``mode='shadow'`` runs the longest shard's count, ``mode='rebalance'`` ``ceil(total / W)``;
+* **batches moved** by the sized rebalance schedule, and its most receivers per donor in one step;
+* **fit-start setup**: building the rank's ``RebalancingLoader`` (the sized schedule), seconds;
+* **read-ahead rule** (:func:`~composer_join.rebalance.readahead.assign`) per step, median / max over an epoch of
+  the rule driven by a model of the ranks' buffers (levels 0..2, refilled after each step);
+* **report**: the pickled ``EpochReport`` of an epoch, bytes.
+
+Where a cost passes 1% of a 100 ms step (1 ms), from the measured points (linear in W between them) and, for
+the agreement's all-reduce, paper estimates stated in ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'tests'))
+
+import numpy as np  # noqa: E402
+
+from composer_join.rebalance.readahead import READ_AHEAD, assign  # noqa: E402
+from scaled import Shards, run_rank  # noqa: E402
+
+
+def readahead_epoch(shards: Shards, limit: float = 120.0) -> dict[str, Any]:
+    """The read-ahead rule over one epoch: per step its time; the steps, batches moved, most receivers per donor."""
+    rem = shards.n.copy()
+    buf = np.minimum(rem, READ_AHEAD)
+    rem -= buf
+    times: list[float] = []
+    moved, most, steps = 0, 0, 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < limit:
+        rows = list(zip(buf.tolist(), (rem == 0).tolist()))
+        t0 = time.perf_counter()
+        cells = assign(rows)
+        times.append(time.perf_counter() - t0)
+        if cells is None:
+            break
+        steps += 1
+        cell = np.array([-1 if c is None else c for c in cells])
+        ranks = np.arange(shards.world)
+        buf -= cell == ranks  # each trains its own first
+        receivers = (cell >= 0) & (cell != ranks)
+        donors, given = np.unique(cell[receivers], return_counts=True)
+        moved += int(receivers.sum())
+        most = max(most, int(given.max(initial=0)))
+        for d, g in zip(donors.tolist(), given.tolist()):
+            from_buffer = min(g, int(buf[d]))
+            buf[d] -= from_buffer
+            fresh = min(g - from_buffer, int(rem[d]))
+            rem[d] -= fresh
+            moved -= g - from_buffer - fresh  # receivers left idle: the donor's data ended
+        take = np.minimum(READ_AHEAD - buf, rem)
+        buf += take
+        rem -= take
+    ms = [t * 1e3 for t in times]
+    return {'steps': steps, 'moved': moved, 'most': most, 'median': statistics.median(ms), 'max': max(ms)}
+
+
+def measure(world: int, mean: int, seed: int = 0, sized: bool = True, rule: bool = True) -> dict[str, Any]:
+    shards = Shards.spread(world, mean, seed)
+    rank = int(np.argmax(shards.n))  # a rank with data to the end: it takes every step's decisions with a batch
+    out: dict[str, Any] = {'W': world, 'total': shards.total(), 'ideal': -(-shards.total() // world)}
+    shadow = run_rank(shards, rank)
+    out['agreed_ms'] = statistics.median(shadow.agreed_seconds) * 1e3
+    out['agreed_max_ms'] = max(shadow.agreed_seconds) * 1e3
+    out['shadow_steps'] = len(shadow.epochs[0])
+    out['bytes_step'] = 8 * 13 * world
+    report = shadow.loader.report  # type: ignore[union-attr]
+    out['report_bytes'] = len(pickle.dumps(report))
+    if sized:
+        donor = run_rank(shards, rank, mode='rebalance')
+        loader = donor.loader.source  # type: ignore[union-attr]
+        out['setup_s'] = donor.setup
+        out['rebalance_steps'] = len(donor.epochs[0])
+        out['planned_ms'] = statistics.median(donor.planned_seconds) * 1e3 if donor.planned_seconds else 0.0
+        counts = loader.counts_per_rank()
+        out['moved'] = sum(counts['received_batches'])
+        out['most_receivers'] = _most_receivers(loader)
+    if rule:
+        out['rule'] = readahead_epoch(shards)
+    return out
+
+
+def _most_receivers(loader: Any) -> int:
+    schedule = getattr(loader, 'steps', None)
+    if schedule is None:
+        return loader.most_receivers  # type: ignore[no-any-return]
+    most = 0
+    for r, row in enumerate(schedule):
+        owners = [c[0] for q, c in enumerate(row) if c is not None and c[0] != q]
+        if owners:
+            most = max(most, max(np.bincount(owners)))
+    return int(most)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        '| W | decision CPU per agreed step (median / max) | per planned step | bytes per step | steps: shadow / '
+        'rebalance / ideal | batches moved (most receivers per donor-step) | sized schedule at fit start | '
+        'read-ahead rule per step (median / max) | EpochReport pickled |\n|' + '---|' * 9
+    )
+    lines = [head]
+    for r in rows:
+        rule = r.get('rule')
+        sized = (
+            f'{r["moved"]} ({r["most_receivers"]}) | {r["setup_s"]:.3f} s | ' if 'setup_s' in r else '- | - | '
+        )
+        lines.append(
+            f'| {r["W"]:,} | {r["agreed_ms"]:.3f} / {r["agreed_max_ms"]:.2f} ms | {r.get("planned_ms", 0):.3f} ms | '
+            f'{r["bytes_step"]:,} | {r["shadow_steps"]} / {r.get("rebalance_steps", "-")} / {r["ideal"]} | {sized}'
+            + (f'{rule["median"]:.3f} / {rule["max"]:.2f} ms | ' if rule else '- | ')
+            + f'{r["report_bytes"]:,} B |'
+        )
+    return '\n'.join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--worlds', type=int, nargs='*', default=[8, 64, 256, 1024, 4096])
+    parser.add_argument('--mean', type=int, default=1000)
+    parser.add_argument('--no-sized', action='store_true', help='skip the sized schedule (slow before #48)')
+    parser.add_argument('--no-rule', action='store_true', help='skip the read-ahead rule')
+    args = parser.parse_args()
+    rows = []
+    for world in args.worlds:
+        t0 = time.perf_counter()
+        rows.append(measure(world, args.mean, sized=not args.no_sized, rule=not args.no_rule))
+        print(f'W={world}: {time.perf_counter() - t0:.1f} s {rows[-1]}', file=sys.stderr, flush=True)
+    print(table(rows))
+
+
+if __name__ == '__main__':
+    main()

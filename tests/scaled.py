@@ -195,6 +195,9 @@ class _Table(Pending):
     def wait(self) -> Any:
         return self.table.tolist()  # what TorchExchange's wait returns: the table as lists
 
+    def array(self) -> Any:
+        return self.table  # what TorchExchange's array returns (on the CPU: the tensor's memory, no copy)
+
 
 class ModelExchange(Exchange):
     """One rank's exchange, the others' rows from :class:`Model`; checks that this rank sends the model's own row."""

@@ -109,7 +109,7 @@ def measure(world: int, mean: int, seed: int = 0, sized: bool = True, rule: bool
 def _most_receivers(loader: Any) -> int:
     schedule = getattr(loader, 'steps', None)
     if schedule is None:
-        return loader.most_receivers  # type: ignore[no-any-return]
+        return loader.plan.most_receivers()  # type: ignore[no-any-return]
     most = 0
     for r, row in enumerate(schedule):
         owners = [c[0] for q, c in enumerate(row) if c is not None and c[0] != q]

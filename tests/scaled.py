@@ -112,7 +112,7 @@ class Model:
     def __init__(self, shards: Shards, rank: int, microbatch: int, mode: str):
         self.shards, self.rank, self.microbatch, self.mode = shards, rank, microbatch, mode
         self.fp = fingerprint(torch.zeros(1, dtype=torch.int64))
-        self.schedule: Optional[list[list[Any]]] = None  # the sized rebalance schedule (the rank's own loader's)
+        self.schedule: Optional[Any] = None  # the sized rebalance schedule (the rank's own loader's: a Schedule)
         self.assigned: Optional[np.ndarray] = None
         self.planned = 0
         self.build_seconds = 0.0  # spent building tables: not the join's cost
@@ -121,7 +121,7 @@ class Model:
         """What every rank computes alike from the lengths: the schedule, the planned steps."""
         source = loader.source
         if isinstance(source, RebalancingLoader):
-            self.schedule = source.steps
+            self.schedule = source.plan if hasattr(source, 'plan') else _Rows(source.steps)
             self.assigned = np.asarray(source.assigned, dtype=np.int64)
         self.planned = loader.rules.planned
 
@@ -138,7 +138,7 @@ class Model:
             samples = np.where(step == shards.n - 1, shards.last, shards.batch)
             owners, own_n = np.arange(w), shards.n
         else:
-            cells = self.schedule[step] if step < len(self.schedule) else [None] * w
+            cells = [self.schedule.cell(step, r) for r in range(w)] if step < self.schedule.length else [None] * w
             has = np.array([c is not None for c in cells])
             owners = np.array([-1 if c is None else c[0] for c in cells])
             index = np.array([-1 if c is None else c[1] for c in cells])
@@ -161,9 +161,20 @@ class Model:
         if self.schedule is None:
             return np.full(self.shards.world, self.planned * self.shards.batch, dtype=np.int64)
         out = np.zeros(self.shards.world, dtype=np.int64)
-        for cells in self.schedule[: self.planned]:
+        for step in range(self.planned):
+            cells = [self.schedule.cell(step, r) for r in range(self.shards.world)]
             out += [0 if c is None else len(self.shards.ids(*c)) for c in cells]
         return out
+
+
+class _Rows:
+    """A schedule given as its rows (before #48, ``RebalancingLoader.steps``), read as a Schedule is."""
+
+    def __init__(self, rows: list[list[Any]]):
+        self.rows, self.length = rows, len(rows)
+
+    def cell(self, step: int, rank: int) -> Any:
+        return self.rows[step][rank]
 
 
 class ModelChannel(BatchChannel):
@@ -183,7 +194,7 @@ class ModelChannel(BatchChannel):
         return None
 
     def receive(self, src: int, step: int) -> Any:
-        cell = self.model.schedule[step][self.rank]  # type: ignore[index]
+        cell = self.model.schedule.cell(step, self.rank)  # type: ignore[union-attr]
         assert cell is not None and cell[0] == src, (step, self.rank, cell, src)
         return torch.tensor(self.shards.ids(*cell), dtype=torch.int64)
 
@@ -244,6 +255,7 @@ class Outcome:
     setup: float = 0.0  # building the loader (the sized schedule, for rebalancing)
     bytes: int = 0  # agreement bytes, per rank, all steps
     sends: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    reports: list[Any] = field(default_factory=list)  # each epoch's EpochReport
     loader: Optional[JoinLoader] = None
 
 
@@ -298,6 +310,7 @@ def run_rank(
             steps.append(batch.tolist() if own else None)
         batches.close()
         loader.check_ended_together()
+        out.reports.append(loader.report)
     out.seconds = time.perf_counter() - start - model.build_seconds
     out.bytes = exchange.bytes
     out.sends = channel.sends if channel is not None else []

@@ -98,7 +98,7 @@ class EpochReport:
             return
         counts = self._counts
         if counts is None:
-            d = self.__dict__
+            d = object.__getattribute__(self, '__dict__')  # (not self.__dict__: that folds the sizes kept)
             counts = tuple(np.asarray(d[k], dtype=np.int64) for k in ('real_batches', 'real_samples', 'shadow_steps'))
             self._counts = counts  # type: ignore[assignment]
         batches, samples, shadows = counts  # type: ignore[misc]

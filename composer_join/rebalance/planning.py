@@ -1,0 +1,169 @@
+"""The sized rebalance schedule, computed in ``O(W log W + moved log W)`` and kept as its transfers only.
+
+:func:`~composer_join.rebalance.rebalance.schedule`'s rules (its docstring) make every rank train its own batches at
+the epoch's first steps, contiguously, and receive from others afterwards. So a rank's own batches are counted by one
+number, and only the transfers need to be listed: ``O(batches moved)`` memory instead of one cell per rank per step.
+
+The rules pick, for every dry rank in increasing rank order, the rank with the most batches remaining. Every rank
+that still has its own batches trains one per step, so their remaining counts fall together, and their order is
+that of ``n_r - given_r`` (its own batches minus those it gave): a heap on that key gives each donor in
+``O(log W)``, with no per-step work for ranks that neither give nor receive. A donor gives at most
+:data:`MAX_RECEIVERS` batches per step (then the next donor in that order gives): the bound on the batches one rank
+reads and sends in a step. Below ``MAX_RECEIVERS + 2`` ranks the bound never binds.
+
+The plan depends only on the counts, so every rank computes the same one; it is computed once per process for
+given counts (a fit's next epoch, and every loader over the same counts, share it).
+
+Example:
+    >>> plan = Schedule.of((3, 0))
+    >>> plan.length, plan.cell(0, 1), plan.cell(1, 0), plan.cell(1, 1)
+    (2, (0, 1), (0, 2), None)
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import heapq
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Optional
+
+__all__ = ['MAX_RECEIVERS', 'Schedule']
+
+MAX_RECEIVERS = 8
+"""Batches one rank gives at most in one step (so, receivers it sends to): the rules' donor, once it has given as
+many, makes way for the next one."""
+
+Cell = Optional[tuple[int, int]]
+
+
+class Schedule:
+    """Who trains which batch at every step, from the ranks' batch counts (the module docstring says how).
+
+    Attributes:
+        counts: every rank's batches per epoch.
+        own: per rank, its own batches it trains (at steps ``0 .. own[r] - 1``).
+        length: the epoch's steps, ``ceil(sum(counts) / W)`` where every dry rank finds a donor.
+    """
+
+    def __init__(self, counts: Sequence[int], max_receivers: int = MAX_RECEIVERS):
+        world = len(counts)
+        self.counts = tuple(int(n) for n in counts)
+        key = list(self.counts)  # own batches it trains: n_r - given_r
+        given = [0] * world
+        heap = [(-k, r) for r, k in enumerate(key) if k > 0]
+        heapq.heapify(heap)
+        becomes_dry: dict[int, list[int]] = defaultdict(list)
+        for r, k in enumerate(key):
+            becomes_dry[k].append(r)
+        dry: list[int] = []  # in increasing rank order
+        left, step = sum(self.counts), 0
+        self._gifts: dict[int, list[tuple[int, int]]] = defaultdict(list)  # donor -> [(step, receiver)], in order
+        self._received: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, step) -> (donor, index)
+        while left > 0:
+            for r in becomes_dry.pop(step, ()):
+                if key[r] == step:
+                    bisect.insort(dry, r)
+            left -= world - len(dry)  # every rank with its own batches left trains one
+            now: dict[int, int] = defaultdict(int)  # batches each donor gave at this step
+            full: list[int] = []  # donors that gave max_receivers at this step: out of the heap until the next
+            gifts = 0
+            for r in dry:
+                donor = _top(heap, key, step)
+                if donor is None:
+                    break
+                index = step + 1 + given[donor]  # it read the one it trains, then those it gave before
+                given[donor] += 1
+                key[donor] -= 1
+                now[donor] += 1
+                gifts += 1
+                self._gifts[donor].append((step, r))
+                self._received[(r, step)] = (donor, index)
+                becomes_dry[key[donor]].append(donor)
+                if now[donor] >= max_receivers:
+                    heapq.heappop(heap)
+                    full.append(donor)
+                else:
+                    heapq.heapreplace(heap, (-key[donor], donor))
+            for donor in full:
+                heapq.heappush(heap, (-key[donor], donor))
+            left -= gifts
+            step += 1
+        self.own = key
+        self.length = step
+        self._given = given
+
+    @classmethod
+    def of(cls, counts: Sequence[int]) -> Schedule:
+        """The schedule for ``counts``, computed once per process (shared by every loader over the same counts)."""
+        return _cached(tuple(int(n) for n in counts))
+
+    @property
+    def world(self) -> int:
+        return len(self.counts)
+
+    def cell(self, step: int, rank: int) -> Cell:
+        """``(owner, index)`` of the batch ``rank`` trains at ``step``, or None if it shadows."""
+        if step < self.own[rank]:
+            gifts = self._gifts.get(rank, ())
+            before = bisect.bisect_left(gifts, (step, -1))  # gifts at earlier steps: read before this one
+            return (rank, step + before)
+        return self._received.get((rank, step))
+
+    def receivers(self, rank: int, step: int) -> list[int]:
+        """The ranks ``rank`` gives a batch to at ``step``, in order (its batches after the one it trains)."""
+        gifts = self._gifts.get(rank, ())
+        lo = bisect.bisect_left(gifts, (step, -1))
+        hi = bisect.bisect_left(gifts, (step + 1, -1))
+        return [q for _, q in gifts[lo:hi]]
+
+    @functools.cached_property
+    def received(self) -> list[int]:
+        out = [0] * self.world
+        for r, _ in self._received:
+            out[r] += 1
+        return out
+
+    @property
+    def given(self) -> list[int]:
+        return list(self._given)
+
+    @property
+    def assigned(self) -> list[int]:
+        """Per rank, the batches it trains in an epoch, own and received."""
+        return [o + r for o, r in zip(self.own, self.received)]
+
+    @property
+    def moved(self) -> int:
+        return len(self._received)
+
+    def most_receivers(self) -> int:
+        """The most batches one rank gives in one step (at most :data:`MAX_RECEIVERS`)."""
+        most = 0
+        for gifts in self._gifts.values():
+            per_step: dict[int, int] = defaultdict(int)
+            for s, _ in gifts:
+                per_step[s] += 1
+            most = max(most, *per_step.values())
+        return most
+
+    def rows(self) -> list[list[Cell]]:
+        """Every step's cells, per rank (``O(steps x W)``: for tests and small worlds)."""
+        return [[self.cell(step, r) for r in range(self.world)] for step in range(self.length)]
+
+
+def _top(heap: list[tuple[int, int]], key: list[int], step: int) -> Optional[int]:
+    """The rank with the most batches remaining after ``step``'s own (ties: the lowest), if it has one to give."""
+    while heap:
+        k, r = heap[0]
+        if -k != key[r]:  # a stale entry: its key has changed since
+            heapq.heappop(heap)
+            continue
+        return r if key[r] - (step + 1) >= 1 else None
+    return None
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(counts: tuple[int, ...]) -> Schedule:
+    return Schedule(counts)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'tests'))
 
 import numpy as np  # noqa: E402
 
-from composer_join.rebalance.readahead import READ_AHEAD, assign  # noqa: E402
+from composer_join.rebalance.readahead import READ_AHEAD, assign_levels  # noqa: E402
 from scaled import Shards, run_rank  # noqa: E402
 
 
@@ -54,14 +54,13 @@ def readahead_epoch(shards: Shards, limit: float = 120.0) -> dict[str, Any]:
     moved, most, steps = 0, 0, 0
     started = time.perf_counter()
     while time.perf_counter() - started < limit:
-        rows = list(zip(buf.tolist(), (rem == 0).tolist()))
+        drained = rem == 0
         t0 = time.perf_counter()
-        cells = assign(rows)
+        cell = assign_levels(buf, drained)  # what the rebalancer runs per step, on the agreement's columns
         times.append(time.perf_counter() - t0)
-        if cells is None:
+        if cell is None:
             break
         steps += 1
-        cell = np.array([-1 if c is None else c for c in cells])
         ranks = np.arange(shards.world)
         buf -= cell == ranks  # each trains its own first
         receivers = (cell >= 0) & (cell != ranks)

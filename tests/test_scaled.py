@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from composer_join.core.report import EpochReport
-from composer_join.rebalance.planning import MAX_RECEIVERS, Schedule
+from composer_join.rebalance.planning import Schedule
 from scaled import STRIDE, Shards, run_rank
 from simulated import Shard, simulate
 
@@ -37,14 +37,13 @@ def test_one_rank_matches_every_rank_simulated_at_once(mode, seed):
 
 
 def _check_schedule(shards: Shards, plan: Schedule) -> None:
-    """Every batch once, steps = ceil(total / W), a donor gives at most MAX_RECEIVERS batches a step."""
+    """Every batch once, steps = ceil(total / W)."""
     n = shards.n
     assert plan.length == math.ceil(shards.total() / shards.world)
     assert (np.asarray(plan.own) + np.asarray(plan.given) == n).all()
     batches = [(d, i) for d in range(shards.world) for i in range(n[d])]
     trained = [plan.cell(s, r) for r in range(shards.world) for s in range(plan.length)]
     assert sorted(c for c in trained if c is not None) == batches  # every batch once
-    assert plan.most_receivers() <= MAX_RECEIVERS
 
 
 def test_at_1024_ranks():

@@ -39,10 +39,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'tests'))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from composer_join.rebalance.readahead import READ_AHEAD, assign_levels  # noqa: E402
-from scaled import Shards, run_rank  # noqa: E402
+from composer_join.rebalance.readahead import READ_AHEAD, assign_levels
+from scaled import Shards, run_rank
 
 
 def readahead_epoch(shards: Shards, limit: float = 120.0) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def _most_receivers(loader: Any) -> int:
     if schedule is None:
         return loader.plan.most_receivers()  # type: ignore[no-any-return]
     most = 0
-    for r, row in enumerate(schedule):
+    for row in schedule:
         owners = [c[0] for q, c in enumerate(row) if c is not None and c[0] != q]
         if owners:
             most = max(most, max(np.bincount(owners)))
@@ -126,9 +126,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head]
     for r in rows:
         rule = r.get('rule')
-        sized = (
-            f'{r["moved"]} ({r["most_receivers"]}) | {r["setup_s"]:.3f} s | ' if 'setup_s' in r else '- | - | '
-        )
+        sized = f'{r["moved"]} ({r["most_receivers"]}) | {r["setup_s"]:.3f} s | ' if 'setup_s' in r else '- | - | '
         lines.append(
             f'| {r["W"]:,} | {r["agreed_ms"]:.3f} / {r["agreed_max_ms"]:.2f} ms | {r.get("planned_ms", 0):.3f} ms | '
             f'{r["bytes_step"]:,} | {r["shadow_steps"]} / {r.get("rebalance_steps", "-")} / {r["ideal"]} | {sized}'

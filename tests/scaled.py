@@ -231,7 +231,9 @@ class ModelExchange(Exchange):
             assert match, what
             table = self.model.agreement(int(match[1]), int(match[2]))
             self.bytes += table.nbytes
-        assert (table[self.rank] == own).all(), f'rank {self.rank}, {what}: sent {own.tolist()}, model {table[self.rank].tolist()}'
+        assert (table[self.rank] == own).all(), (
+            f'rank {self.rank}, {what}: sent {own.tolist()}, model {table[self.rank].tolist()}'
+        )
         self.model.build_seconds += time.perf_counter() - start
         return _Table(table)
 
@@ -277,7 +279,9 @@ def run_rank(
     glue = Glue(describe=lambda batch: (len(batch), -(-len(batch) // microbatch)), microbatch_size=lambda: microbatch)
     channel = ModelChannel(rank, shards, model) if mode == 'rebalance' else None
     lengths = Lengths(shared, check_overflow, per_rank)
-    source, lengths = batch_source(dataloader, lengths, mode == 'rebalance', lambda t: t, len, layout, exchange, channel)
+    source, lengths = batch_source(
+        dataloader, lengths, mode == 'rebalance', lambda t: t, len, layout, exchange, channel
+    )
     lengths = replace(lengths, lifted=False)
     loader = JoinLoader(source, glue, Rules(lengths, rank, layout), exchange)
     model.take(loader)
@@ -302,7 +306,7 @@ def run_rank(
             plan = record.plan
             out.agreed += plan.agreed
             if reads:  # what the algorithm reads at every step
-                record.any_shadow, plan.grad_factor(True), plan.even_microbatches  # noqa: B018
+                record.any_shadow, plan.grad_factor(True), plan.even_microbatches
                 plan.statuses[rank].samples  # noqa: B018
             own = plan.has_batch(rank)
             spent = time.perf_counter() - t0 - (model.build_seconds - b0)

@@ -27,8 +27,8 @@ import numpy as np
 __all__ = [
     'COLUMNS',
     'RankStatus',
-    'StepPlan',
     'Statuses',
+    'StepPlan',
     'len_or_none',
     'plan_from_lengths',
     'steps_planned_from_lengths',
@@ -139,7 +139,7 @@ class Statuses(Sequence[RankStatus]):
     def count(self, name: str) -> int:
         """How many ranks' field ``name`` is nonzero (true)."""
         if self._planned is not None:
-            rank, own, others = self._planned
+            _, own, others = self._planned
             return (self._world - 1) * bool(getattr(others, name)) + bool(getattr(own, name))
         return int(np.count_nonzero(self.column(name)))
 
@@ -249,8 +249,8 @@ class StepPlan:
         uniform = self.rows.uniform
         if uniform is not None:
             _, own, others = uniform
-            counts = {own.microbatches} if self.world_size == 1 else {own.microbatches, others.microbatches}
-            return len(counts) == 1 and 0 not in counts
+            kinds = {own.microbatches} if self.world_size == 1 else {own.microbatches, others.microbatches}
+            return len(kinds) == 1 and 0 not in kinds
         counts = self.rows.column('microbatches')
         return bool(len(counts)) and bool(counts[0] != 0) and bool((counts == counts[0]).all())
 

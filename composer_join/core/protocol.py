@@ -489,7 +489,9 @@ class Protocol:
             )
         if self.rules.throw and plan.num_active and plan.any_joined:
             layout = self.rules.layout
-            batches = ', '.join(f'{layout.name(m)}: {n}' for m, n in enumerate(counts() if callable(counts) else counts))
+            batches = ', '.join(
+                f'{layout.name(m)}: {n}' for m, n in enumerate(counts() if callable(counts) else counts)
+            )
             return UnevenInputsError(
                 f'rank(s) {plan.joined_ranks} ran out of data at step {plan.step} of epoch {self.epoch} '
                 f'while rank(s) {plan.active_ranks} still have batches (batches so far: {batches}). '

@@ -99,9 +99,12 @@ class EpochReport:
         counts = self._counts
         if counts is None:
             d = object.__getattribute__(self, '__dict__')  # (not self.__dict__: that folds the sizes kept)
-            counts = tuple(np.asarray(d[k], dtype=np.int64) for k in ('real_batches', 'real_samples', 'shadow_steps'))
-            self._counts = counts  # type: ignore[assignment]
-        batches, samples, shadows = counts  # type: ignore[misc]
+            batches, samples, shadows = (
+                np.asarray(d[k], dtype=np.int64) for k in ('real_batches', 'real_samples', 'shadow_steps')
+            )
+            self._counts = (batches, samples, shadows)
+        else:
+            batches, samples, shadows = counts
         if self._planned:
             batches += self._planned
             self._planned = 0

@@ -160,7 +160,22 @@ class Model:
     def _unreported(self) -> np.ndarray:
         if self.schedule is None:
             return np.full(self.shards.world, self.planned * self.shards.batch, dtype=np.int64)
-        out = np.zeros(self.shards.world, dtype=np.int64)
+        shards = self.shards
+        out = np.full(shards.world, self.planned * shards.batch, dtype=np.int64)
+        plan = self.schedule
+        if hasattr(plan, '_received'):  # a Schedule: only owners' last batches are partial; find who trains them
+            trained_by = {c: rs for rs, c in plan._received.items()}
+            for d in np.flatnonzero(shards.n > 0).tolist():
+                last = int(shards.n[d]) - 1
+                own_step = plan.own[d] - 1
+                if own_step >= 0 and plan.cell(own_step, d) == (d, last):
+                    where = (d, own_step)
+                else:
+                    where = trained_by[(d, last)]
+                if where[1] < self.planned:
+                    out[where[0]] -= shards.batch - shards.last[d]
+            return out
+        out[:] = 0
         for step in range(self.planned):
             cells = [self.schedule.cell(step, r) for r in range(self.shards.world)]
             out += [0 if c is None else len(self.shards.ids(*c)) for c in cells]

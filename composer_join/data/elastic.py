@@ -15,7 +15,9 @@ to know which samples of the epoch no rank has trained yet, whatever the world s
   :func:`one_epoch_loader` gives the rest of the epoch as a ``DataLoader`` like the user's (its dataset,
   collate function, workers), over those indices; the next epoch shards as usual for the new world size.
 
-Cost: one ``all_gather_object`` of a few integers per rank at each checkpoint; on resuming on another world
+Cost: one ``all_gather_object`` of each rank's position entry at each checkpoint (a few integers, and its
+dataset's own state; after a resume on another world size an entry also carries the old world's per-rank list, so
+``O(W)`` per entry and ``O(W^2)`` in all, issue #48); on resuming on another world
 size, one permutation of the dataset per old rank (what the sampler itself costs) and a second length
 agreement at the end of the resumed epoch.
 

@@ -168,10 +168,8 @@ class Model:
             for d in np.flatnonzero(shards.n > 0).tolist():
                 last = int(shards.n[d]) - 1
                 own_step = plan.own[d] - 1
-                if own_step >= 0 and plan.cell(own_step, d) == (d, last):
-                    where = (d, own_step)
-                else:
-                    where = trained_by[(d, last)]
+                mine = own_step >= 0 and plan.cell(own_step, d) == (d, last)
+                where = (d, own_step) if mine else trained_by[(d, last)]
                 if where[1] < self.planned:
                     out[where[0]] -= shards.batch - shards.last[d]
             return out

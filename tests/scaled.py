@@ -232,7 +232,7 @@ class ModelExchange(Exchange):
         self.bytes = 0
 
     def rows(self, row: Sequence[int], what: str) -> Pending:
-        start = time.perf_counter()
+        start = time.thread_time()
         self.issued.append(what)
         own = np.asarray([int(v) for v in row], dtype=np.int64)
         if what == 'the first agreement':
@@ -247,7 +247,7 @@ class ModelExchange(Exchange):
         assert (table[self.rank] == own).all(), (
             f'rank {self.rank}, {what}: sent {own.tolist()}, model {table[self.rank].tolist()}'
         )
-        self.model.build_seconds += time.perf_counter() - start
+        self.model.build_seconds += time.thread_time() - start
         return _Table(table)
 
     def gather(self, obj: Any) -> list[Any]:
@@ -264,8 +264,9 @@ class Outcome:
 
     epochs: list[list[Optional[list[int]]]] = field(default_factory=list)
     agreed: int = 0  # agreed steps
-    seconds: float = 0.0  # this rank's own time in the loop (the model's tables excluded)
-    agreed_seconds: list[float] = field(default_factory=list)  # per agreed step: its time (tables excluded)
+    seconds: float = 0.0  # this rank's CPU time in the loop (the thread's: what other processes take is not in it;
+    # the model's tables excluded)
+    agreed_seconds: list[float] = field(default_factory=list)  # per agreed step: its CPU time (tables excluded)
     planned_seconds: list[float] = field(default_factory=list)  # per planned step
     setup: float = 0.0  # building the loader (the sized schedule, for rebalancing)
     bytes: int = 0  # agreement bytes, per rank, all steps
@@ -284,7 +285,7 @@ def run_rank(
     model = Model(shards, rank, microbatch, mode)
     exchange = ModelExchange(model, rank, world)
     out = Outcome()
-    start = time.perf_counter()
+    start = time.thread_time()
     dataloader = _Loader(shards, rank)
     own = len(dataloader)
     table = exchange.rows([own, own], 'the first agreement').wait()
@@ -298,10 +299,10 @@ def run_rank(
     lengths = replace(lengths, lifted=False)
     loader = JoinLoader(source, glue, Rules(lengths, rank, layout), exchange)
     model.take(loader)
-    out.setup = time.perf_counter() - start - model.build_seconds
+    out.setup = time.thread_time() - start - model.build_seconds
     model.build_seconds = 0.0
     out.loader = loader
-    start = time.perf_counter()
+    start = time.thread_time()
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         cap = loader.length
@@ -309,7 +310,7 @@ def run_rank(
         out.epochs.append(steps)
         batches = iter(loader)
         for _ in range(cap if cap is not None else 10**9):
-            t0, b0 = time.perf_counter(), model.build_seconds
+            t0, b0 = time.thread_time(), model.build_seconds
             try:
                 batch = next(batches)
             except StopIteration:
@@ -322,13 +323,13 @@ def run_rank(
                 record.any_shadow, plan.grad_factor(True), plan.even_microbatches
                 plan.statuses[rank].samples  # noqa: B018
             own = plan.has_batch(rank)
-            spent = time.perf_counter() - t0 - (model.build_seconds - b0)
+            spent = time.thread_time() - t0 - (model.build_seconds - b0)
             (out.agreed_seconds if plan.agreed else out.planned_seconds).append(spent)
             steps.append(batch.tolist() if own else None)
         batches.close()
         loader.check_ended_together()
         out.reports.append(loader.report)
-    out.seconds = time.perf_counter() - start - model.build_seconds
+    out.seconds = time.thread_time() - start - model.build_seconds
     out.bytes = exchange.bytes
     out.sends = channel.sends if channel is not None else []
     return out

@@ -163,8 +163,8 @@ class Model:
         shards = self.shards
         out = np.full(shards.world, self.planned * shards.batch, dtype=np.int64)
         plan = self.schedule
-        if hasattr(plan, '_received'):  # a Schedule: only owners' last batches are partial; find who trains them
-            trained_by = {c: rs for rs, c in plan._received.items()}
+        if hasattr(plan, 'transfers'):  # a Schedule: only owners' last batches are partial; find who trains them
+            trained_by = {(d, i): (r, s) for s, r, d, i in plan.transfers()}
             for d in np.flatnonzero(shards.n > 0).tolist():
                 last = int(shards.n[d]) - 1
                 own_step = plan.own[d] - 1

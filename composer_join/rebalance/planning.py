@@ -34,6 +34,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Optional
 
+import numpy as np
+
 __all__ = ['Schedule']
 
 Cell = Optional[tuple[int, int]]
@@ -60,8 +62,10 @@ class Schedule:
             becomes_dry[k].append(r)
         dry: list[int] = []  # in increasing rank order
         left, step = sum(self.counts), 0
-        self._gifts: dict[int, list[tuple[int, int]]] = defaultdict(list)  # donor -> [(step, receiver)], in order
-        self._received: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, step) -> (donor, index)
+        steps: list[int] = []  # per transfer, in order: the step, the receiver, the donor, the batch's index
+        receivers: list[int] = []
+        donors: list[int] = []
+        indices: list[int] = []
         while left > 0:
             for r in becomes_dry.pop(step, ()):
                 if key[r] == step:
@@ -74,13 +78,14 @@ class Schedule:
                 donor = _top(heap, key, step)
                 if donor is None:
                     break
-                index = step + 1 + given[donor]  # it read the one it trains, then those it gave before
+                steps.append(step)
+                receivers.append(r)
+                donors.append(donor)
+                indices.append(step + 1 + given[donor])  # it read the one it trains, then those it gave before
                 given[donor] += 1
                 key[donor] -= 1
                 now[donor] += 1
                 gifts += 1
-                self._gifts[donor].append((step, r))
-                self._received[(r, step)] = (donor, index)
                 becomes_dry[key[donor]].append(donor)
                 if max_receivers is not None and now[donor] >= max_receivers:
                     heapq.heappop(heap)
@@ -94,6 +99,17 @@ class Schedule:
         self.own = key
         self.length = step
         self._given = given
+        # the transfers as arrays (16 bytes each), sorted by receiver then step, and by donor then step
+        self._step = np.asarray(steps, dtype=np.int64)
+        self._receiver = np.asarray(receivers, dtype=np.int64)
+        self._donor = np.asarray(donors, dtype=np.int64)
+        self._index = np.asarray(indices, dtype=np.int64)
+        span = self.length + 1
+        self._by_receiver = np.argsort(self._receiver * span + self._step, kind='stable')
+        self._receiver_keys = (self._receiver * span + self._step)[self._by_receiver]
+        self._donor_keys = self._donor * span + self._step  # transfers are made in step order: stable by donor
+        self._by_donor = np.argsort(self._donor_keys, kind='stable')
+        self._donor_keys = self._donor_keys[self._by_donor]
 
     @classmethod
     def of(cls, counts: Sequence[int]) -> Schedule:
@@ -106,25 +122,34 @@ class Schedule:
 
     def cell(self, step: int, rank: int) -> Cell:
         """``(owner, index)`` of the batch ``rank`` trains at ``step``, or None if it shadows."""
-        if step < self.own[rank]:
-            gifts = self._gifts.get(rank, ())
-            before = bisect.bisect_left(gifts, (step, -1))  # gifts at earlier steps: read before this one
+        span = self.length + 1
+        if step < self.own[rank]:  # its own: after those it gave at earlier steps
+            before = int(np.searchsorted(self._donor_keys, rank * span + step)) - int(
+                np.searchsorted(self._donor_keys, rank * span)
+            )
             return (rank, step + before)
-        return self._received.get((rank, step))
+        at = int(np.searchsorted(self._receiver_keys, rank * span + step))
+        if at < len(self._receiver_keys) and self._receiver_keys[at] == rank * span + step:
+            t = self._by_receiver[at]
+            return (int(self._donor[t]), int(self._index[t]))
+        return None
 
     def receivers(self, rank: int, step: int) -> list[int]:
         """The ranks ``rank`` gives a batch to at ``step``, in order (its batches after the one it trains)."""
-        gifts = self._gifts.get(rank, ())
-        lo = bisect.bisect_left(gifts, (step, -1))
-        hi = bisect.bisect_left(gifts, (step + 1, -1))
-        return [q for _, q in gifts[lo:hi]]
+        span = self.length + 1
+        lo, hi = np.searchsorted(self._donor_keys, [rank * span + step, rank * span + step + 1])
+        return self._receiver[self._by_donor[lo:hi]].tolist()
+
+    def given_before(self, rank: int, step: int) -> int:
+        """Batches ``rank`` gave at the steps before ``step``."""
+        span = self.length + 1
+        return int(
+            np.searchsorted(self._donor_keys, rank * span + step) - np.searchsorted(self._donor_keys, rank * span)
+        )
 
     @functools.cached_property
     def received(self) -> list[int]:
-        out = [0] * self.world
-        for r, _ in self._received:
-            out[r] += 1
-        return out
+        return np.bincount(self._receiver, minlength=self.world).tolist()
 
     @property
     def given(self) -> list[int]:
@@ -137,17 +162,17 @@ class Schedule:
 
     @property
     def moved(self) -> int:
-        return len(self._received)
+        return len(self._step)
+
+    def transfers(self) -> list[tuple[int, int, int, int]]:
+        """Every transfer ``(step, receiver, donor, index)``, in the order they are made."""
+        return list(zip(self._step.tolist(), self._receiver.tolist(), self._donor.tolist(), self._index.tolist()))
 
     def most_receivers(self) -> int:
         """The most batches one rank gives in one step."""
-        most = 0
-        for gifts in self._gifts.values():
-            per_step: dict[int, int] = defaultdict(int)
-            for s, _ in gifts:
-                per_step[s] += 1
-            most = max(most, *per_step.values())
-        return most
+        if not len(self._donor_keys):
+            return 0
+        return int(np.unique(self._donor_keys, return_counts=True)[1].max())
 
     def rows(self) -> list[list[Cell]]:
         """Every step's cells, per rank (``O(steps x W)``: for tests and small worlds)."""

@@ -259,7 +259,7 @@ class RebalancingLoader(Rebalancer):
         self._read_samples, self._sent = {}, {}
         reader = _Reader(lambda: open(self.start > 0), self.counts[self.rank], self.check_overflow, self.rank)
         plan, member, layout = self.plan, self.member, self.layout
-        reader.read = min(self.start, plan.own[member]) + sum(len(plan.receivers(member, s)) for s in range(self.start))
+        reader.read = min(self.start, plan.own[member]) + plan.given_before(member, self.start)
         if self.start:  # a dataset that resumed itself applies its state at its next iteration: this one
             reader._it = reader.open()
         failure: Optional[BaseException] = None  # once set, every later step yields Failed(failure)

@@ -53,7 +53,7 @@ def first_iteration_syncs(plan: StepPlan, rank: int, strategy: Optional[str], ex
     The counts come from the agreed plan; on a step planned from the lengths (the others' counts unknown) from one
     exchange of one integer per rank, once per DDP object.
     """
-    counts = [s.microbatches for s in plan.statuses]
+    counts = plan.rows.column('microbatches').tolist()
     if not plan.agreed:
         table = exchange.rows([counts[rank]], f'the microbatch counts of step {plan.step}').wait()
         counts = [int(row[0]) for row in table]

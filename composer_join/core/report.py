@@ -83,6 +83,14 @@ class EpochReport:
         self.__dict__.update(state)
         self._counts, self._planned, self._sizes = None, 0, []
 
+    def state(self) -> dict[str, Any]:
+        """Its fields as plain data, copied (what a checkpoint holds; ``EpochReport(**state)`` is it again): ints and
+        lists of ints only, so a copy of each list is a deep copy, without ``copy.deepcopy``'s visit of every int."""
+        return {
+            k: [list(v) for v in x] if k == 'batch_sizes' else list(x) if isinstance(x, list) else x
+            for k, x in vars(self).items()
+        }
+
     def record(self, plan: StepPlan) -> None:
         """Add one step (called by the loader once per step, agreed or planned from the lengths).
 

@@ -22,7 +22,7 @@ rank simulated at once in ``tests/test_scaled.py``). Per world size:
 * **fit-start setup**: building the rank's ``RebalancingLoader`` (the sized schedule), seconds;
 * **read-ahead rule** (:func:`~composer_join.rebalance.readahead.assign`) per step, median / max over an epoch of
   the rule driven by a model of the ranks' buffers (levels 0..2, refilled after each step);
-* **report**: the pickled ``EpochReport`` of an epoch, bytes.
+* **report**: the pickled ``EpochReport`` of an epoch, bytes, and the CPU time of the copy a checkpoint makes of it.
 
 Where a cost passes 1% of a 100 ms step (1 ms), from the measured points (linear in W between them) and, for
 the agreement's all-reduce, paper estimates stated in ``docs/benchmarks.md``.
@@ -31,6 +31,7 @@ the agreement's all-reduce, paper estimates stated in ``docs/benchmarks.md``.
 from __future__ import annotations
 
 import argparse
+import copy
 import pickle
 import statistics
 import sys
@@ -113,6 +114,10 @@ def measure(
     out['bytes_step'] = 8 * 13 * world
     report = shadow.loader.report  # type: ignore[union-attr]
     out['report_bytes'] = len(pickle.dumps(report))
+    vars(report)  # (its lists made current)
+    t0 = time.thread_time()
+    report.state() if hasattr(report, 'state') else copy.deepcopy(vars(report))  # what a checkpoint copies
+    out['report_copy_s'] = time.thread_time() - t0
     if sized:
         donors = []
         for _ in range(repeat):
@@ -149,7 +154,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = (
         '| W | decision CPU per agreed step (median / max) | per planned step | bytes per step | steps: shadow / '
         'rebalance / ideal | batches moved (most receivers per donor-step) | sized schedule at fit start | '
-        'read-ahead rule per step (median / max) | read-ahead steps (most gifts per donor-step) | EpochReport pickled |'
+        'read-ahead rule per step (median / max) | read-ahead steps (most gifts per donor-step) | EpochReport pickled, '
+        'copied at a checkpoint |'
         '\n|' + '---|' * 10
     )
     lines = [head]
@@ -164,7 +170,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 if rule
                 else '- | - | '
             )
-            + f'{r["report_bytes"]:,} B |'
+            + f'{r["report_bytes"]:,} B, {r["report_copy_s"]:.3f} s |'
         )
     return '\n'.join(lines)
 

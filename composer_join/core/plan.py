@@ -4,7 +4,8 @@ Owns the data of the per-step agreement and nothing that communicates: no collec
 join's decisions (:mod:`composer_join.core.protocol`) are tested in one process. On a step that needs it, every
 rank contributes one row and receives everybody's rows (one small all-reduce, a ``world_size x 13`` integer
 table, over the injected exchange: :class:`~composer_join.core.protocol.Exchange`; the real one is
-:class:`~composer_join.core.exchange.TorchExchange`). From the rows each rank derives the same :class:`StepPlan`, so
+:class:`~composer_join.core.exchange.TorchExchange`), kept as that table (:class:`Statuses`): each decision is an
+array operation on its columns, with no per-rank Python object. From the rows each rank derives the same :class:`StepPlan`, so
 every decision that follows (shadow or real, gradient factor, buffer source, microbatch syncing, stop or go) is
 taken identically everywhere without further communication.
 
@@ -16,12 +17,17 @@ agreed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, Optional
+from typing import Any, Optional, Union, overload
+
+import numpy as np
 
 __all__ = [
+    'COLUMNS',
     'RankStatus',
+    'Statuses',
     'StepPlan',
     'len_or_none',
     'plan_from_lengths',
@@ -48,21 +54,142 @@ class RankStatus:
     content: int = 0  # under tensor parallelism: batches.content_crc of its batch (0: none, or not taken)
 
     def row(self) -> list[int]:
-        return [int(getattr(self, f.name)) for f in fields(self)]
+        return [int(getattr(self, name)) for name in COLUMNS]
 
     @classmethod
-    def from_row(cls, row: list[int]) -> RankStatus:
-        """The inverse of :meth:`row` (field types are strings here: ``from __future__ import annotations``)."""
-        return cls(*(bool(v) if f.type == 'bool' else int(v) for f, v in zip(fields(cls), row)))  # type: ignore[arg-type]
+    def from_row(cls, row: Sequence[int]) -> RankStatus:
+        """The inverse of :meth:`row`."""
+        values: list[Any] = [int(v) for v in row]
+        for i in _FLAGS:
+            values[i] = bool(values[i])
+        return cls(*values)
+
+
+COLUMNS = tuple(f.name for f in fields(RankStatus))
+"""The agreement table's columns, in order: one per :class:`RankStatus` field (13)."""
+_COLUMN = {name: i for i, name in enumerate(COLUMNS)}
+_FLAGS = tuple(i for i, f in enumerate(fields(RankStatus)) if f.type == 'bool')  # (types are strings here)
+
+
+class Statuses(Sequence[RankStatus]):
+    """Every rank's row of one step, as the agreement's table (``world_size x 13`` integers, :data:`COLUMNS`).
+
+    A sequence of :class:`RankStatus` (``statuses[rank]`` builds that rank's on access), and columns for the array
+    operations a plan's decisions are made of (:meth:`column`), so that no per-rank Python object is made on the
+    hot path. A step planned without agreement (:meth:`planned`) holds only this rank's row and the row every other
+    rank is known by: nothing in it is proportional to the world size until a column is asked for.
+    """
+
+    __slots__ = ('_planned', '_table', '_world')
+
+    def __init__(self, table: Any):
+        self._table: Optional[np.ndarray] = np.asarray(table, dtype=np.int64).reshape(-1, len(COLUMNS))
+        self._world = len(self._table)
+        self._planned: Optional[tuple[int, RankStatus, RankStatus]] = None
+
+    @classmethod
+    def planned(cls, world: int, rank: int, own: RankStatus, others: RankStatus) -> Statuses:
+        """``own`` at ``rank``, ``others`` everywhere else (no table made)."""
+        out = cls.__new__(cls)
+        out._table, out._world, out._planned = None, world, (rank, own, others)
+        return out
+
+    @classmethod
+    def of(cls, statuses: Sequence[RankStatus]) -> Statuses:
+        """``statuses`` as a table (itself if it is one)."""
+        if isinstance(statuses, Statuses):
+            return statuses
+        return cls([s.row() for s in statuses] if len(statuses) else np.zeros((0, len(COLUMNS))))
+
+    @property
+    def uniform(self) -> Optional[tuple[int, RankStatus, RankStatus]]:
+        """``(rank, own, others)`` for a step planned without agreement, else None."""
+        return self._planned
+
+    @property
+    def table(self) -> np.ndarray:
+        """The ``world_size x 13`` table (made on first use for a planned step)."""
+        if self._table is None:
+            rank, own, others = self._planned  # type: ignore[misc]  # one of the two is set
+            table = np.tile(np.asarray(others.row(), dtype=np.int64), (self._world, 1))
+            if self._world:
+                table[rank] = own.row()
+            self._table = table
+        return self._table
+
+    def column(self, name: str) -> np.ndarray:
+        """Every rank's value of field ``name``, indexed by rank."""
+        return self.table[:, _COLUMN[name]]
+
+    def value(self, rank: int, name: str) -> int:
+        """Rank ``rank``'s value of field ``name`` (no :class:`RankStatus` made)."""
+        if self._planned is not None:
+            own_rank, own, others = self._planned
+            return int(getattr(own if rank == own_rank else others, name))
+        return int(self.table[rank, _COLUMN[name]])
+
+    def ranks(self, name: str) -> list[int]:
+        """The ranks whose field ``name`` is nonzero (true)."""
+        if self._planned is not None:
+            rank, own, others = self._planned
+            if not getattr(others, name):
+                return [rank] if getattr(own, name) else []
+        return np.flatnonzero(self.column(name)).tolist()
+
+    def count(self, name: str) -> int:
+        """How many ranks' field ``name`` is nonzero (true)."""
+        if self._planned is not None:
+            _, own, others = self._planned
+            return (self._world - 1) * bool(getattr(others, name)) + bool(getattr(own, name))
+        return int(np.count_nonzero(self.column(name)))
+
+    def __len__(self) -> int:
+        return self._world
+
+    @overload
+    def __getitem__(self, index: int) -> RankStatus: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[RankStatus, ...]: ...
+
+    def __getitem__(self, index: Union[int, slice]) -> Union[RankStatus, tuple[RankStatus, ...]]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(self._world)))
+        if index < 0:
+            index += self._world
+        if not 0 <= index < self._world:
+            raise IndexError(index)
+        if self._planned is not None:
+            rank, own, others = self._planned
+            return own if index == rank else others
+        return RankStatus.from_row(self.table[index].tolist())
+
+    def __iter__(self) -> Iterator[RankStatus]:
+        return (self[i] for i in range(self._world))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Statuses):
+            return bool(np.array_equal(self.table, other.table))
+        if isinstance(other, Sequence):
+            return len(other) == self._world and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # compared by value, like the tuple it stands for
+
+    def __repr__(self) -> str:
+        return f'Statuses({list(self)!r})'
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """What every rank knows about one step, identical on all ranks.
 
+    Its decisions are array operations on the agreement's table (:class:`Statuses`): per agreed step a few
+    operations over ``world_size`` integers, and none proportional to the world size on a planned step.
+
     Attributes:
         step: index of the step in the epoch (``batch_in_epoch``).
-        statuses: each rank's :class:`RankStatus`, indexed by rank.
+        statuses: each rank's :class:`RankStatus`, indexed by rank (a :class:`Statuses` table, or any sequence).
         agreed: False for a plan derived locally (:func:`plan_from_lengths`), from the ranks' lengths
             alone or (rebalancing without ``len()``) from their read-ahead buffer levels:
             every rank has a batch, but only this rank's own status holds its sample and
@@ -70,39 +197,70 @@ class StepPlan:
     """
 
     step: int
-    statuses: tuple[RankStatus, ...]
+    statuses: Sequence[RankStatus]
     agreed: bool = True
+
+    @functools.cached_property
+    def rows(self) -> Statuses:
+        """:attr:`statuses` as a table."""
+        return Statuses.of(self.statuses)
 
     @property
     def world_size(self) -> int:
         return len(self.statuses)
 
-    @property
+    @functools.cached_property
     def active_ranks(self) -> list[int]:
         """Ranks that train on a real batch at this step."""
-        return [r for r, s in enumerate(self.statuses) if s.has_batch]
+        if self.num_active == self.world_size:
+            return list(range(self.world_size))
+        return self.rows.ranks('has_batch')
 
-    @property
+    @functools.cached_property
     def joined_ranks(self) -> list[int]:
         """Ranks that have run out of data and shadow this step."""
-        return [r for r, s in enumerate(self.statuses) if not s.has_batch]
+        if self.num_active == self.world_size:
+            return []
+        return np.flatnonzero(self.rows.column('has_batch') == 0).tolist()
+
+    @functools.cached_property
+    def num_active(self) -> int:
+        return self.rows.count('has_batch')
 
     @property
-    def num_active(self) -> int:
-        return len(self.active_ranks)
+    def any_joined(self) -> bool:
+        """Some rank shadows this step: ``bool(joined_ranks)``, without listing them."""
+        return self.num_active < self.world_size
 
     def has_batch(self, rank: int) -> bool:
-        return self.statuses[rank].has_batch
+        return bool(self.rows.value(rank, 'has_batch'))
+
+    def ranks_where(self, name: str) -> list[int]:
+        """The ranks whose :class:`RankStatus` field ``name`` is true (nonzero): ``failed``, ``short``, ..."""
+        return self.rows.ranks(name)
 
     def grad_factor(self, divide_by_initial_world_size: bool) -> float:
         """Factor on top of the mean over real samples: ``A_t / W`` or ``1``."""
         return self.num_active / self.world_size if divide_by_initial_world_size else 1.0
 
-    @property
+    @functools.cached_property
     def even_microbatches(self) -> bool:
         """True when every rank splits this step into the same, known number of microbatches."""
-        counts = {s.microbatches for s in self.statuses}
-        return len(counts) == 1 and 0 not in counts
+        uniform = self.rows.uniform
+        if uniform is not None:
+            _, own, others = uniform
+            kinds = {own.microbatches} if self.world_size == 1 else {own.microbatches, others.microbatches}
+            return len(kinds) == 1 and 0 not in kinds
+        counts = self.rows.column('microbatches')
+        return bool(len(counts)) and bool(counts[0] != 0) and bool((counts == counts[0]).all())
+
+    @property
+    def all_counted(self) -> bool:
+        """Every rank's samples are known (none ``-1``)."""
+        uniform = self.rows.uniform
+        if uniform is not None:
+            return uniform[1].samples >= 0 and (self.world_size == 1 or uniform[2].samples >= 0)
+        return bool((self.rows.column('samples') >= 0).all())
 
     def recounted(self, microbatch_size: Any) -> StepPlan:
         """This plan with each rank's microbatch count for ``microbatch_size``, from its agreed samples.
@@ -113,27 +271,53 @@ class StepPlan:
         Composer's default split), a shadowing rank into one; a rank whose samples are unknown
         (a step planned from the lengths, an uncountable batch) gets ``0``, unknown. No communication.
         """
+        known = isinstance(microbatch_size, int) and microbatch_size > 0
 
         def count(s: RankStatus) -> int:
             if not s.has_batch:
                 return s.microbatches
-            if s.samples < 0 or not isinstance(microbatch_size, int) or microbatch_size <= 0:
+            if s.samples < 0 or not known:
                 return 0
             return max(1, -(-s.samples // microbatch_size))
 
-        return replace(self, statuses=tuple(replace(s, microbatches=count(s)) for s in self.statuses))
+        uniform = self.rows.uniform
+        if uniform is not None:
+            rank, own, others = uniform
+            statuses = Statuses.planned(
+                self.world_size,
+                rank,
+                replace(own, microbatches=count(own)),
+                replace(others, microbatches=count(others)),
+            )
+            return replace(self, statuses=statuses)
+        table = self.rows.table.copy()
+        has, samples = table[:, _COLUMN['has_batch']] != 0, table[:, _COLUMN['samples']]
+        if known:
+            recount = np.where(samples < 0, 0, np.maximum(1, -(-samples // microbatch_size)))
+        else:
+            recount = np.zeros_like(samples)
+        table[:, _COLUMN['microbatches']] = np.where(has, recount, table[:, _COLUMN['microbatches']])
+        return replace(self, statuses=Statuses(table))
 
-    @property
+    @functools.cached_property
     def structures_differ(self) -> bool:
         """True on a step where some rank shadows and the ranks' batch structures (real or template) differ."""
-        known = {s.structure for s in self.statuses if s.structure}
-        return bool(self.joined_ranks) and bool(self.active_ranks) and len(known) > 1
+        if not self.any_joined or not self.num_active:
+            return False
+        known = self.rows.column('structure')
+        known = known[known != 0]
+        return bool(len(known)) and bool((known != known[0]).any())
 
     @property
+    def template_needed(self) -> bool:
+        """Some rank has never seen a batch and must be sent a template."""
+        return self.rows.count('needs_template') > 0
+
+    @functools.cached_property
     def template_source(self) -> Optional[int]:
         """Lowest rank with data, if some rank needs a template batch at this step."""
-        if any(s.needs_template for s in self.statuses) and self.active_ranks:
-            return self.active_ranks[0]
+        if self.template_needed and self.num_active:
+            return int(np.argmax(self.rows.column('has_batch') != 0))
         return None
 
 
@@ -165,8 +349,7 @@ def plan_from_lengths(step: int, rank: int, own: RankStatus, world_size: int) ->
     every rank then syncs its gradient on its own last microbatch only, which needs no knowledge
     of the others' counts. No communication.
     """
-    others = RankStatus(has_batch=True)
-    return StepPlan(step, tuple(own if r == rank else others for r in range(world_size)), agreed=False)
+    return StepPlan(step, Statuses.planned(world_size, rank, own, RankStatus(has_batch=True)), agreed=False)
 
 
 def len_or_none(dataloader: Any) -> Optional[int]:

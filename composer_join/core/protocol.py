@@ -36,13 +36,14 @@ Example (one rank of two, on a step planned from the lengths: no exchange)::
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Optional, cast
+from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
 from composer_join.core.catalogue import NOTHING_UNREAD, STEP_AGREEMENT, STRUCTURES, WHO_FAILED
 from composer_join.core.errors import UnevenInputsError
-from composer_join.core.plan import RankStatus, StepPlan, plan_from_lengths, steps_planned_from_lengths
+from composer_join.core.plan import RankStatus, Statuses, StepPlan, plan_from_lengths, steps_planned_from_lengths
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +69,13 @@ class Pending(abc.ABC):
     @abc.abstractmethod
     def wait(self) -> list[list[int]]:
         """Wait for every rank's row; the table, one row per rank."""
+
+    def array(self) -> Any:
+        """Wait for every rank's row; the table as an array (``world_size x len(row)`` integers, one row per rank).
+
+        What the per-step agreement reads: an exchange whose rows arrive in a tensor overrides it to hand that
+        over without making a Python object per rank (:class:`~composer_join.core.exchange.TorchExchange`)."""
+        return self.wait()
 
 
 class Exchange(abc.ABC):
@@ -189,9 +197,10 @@ class Rules:
         per_rank = self.lengths.per_rank
         return per_rank[self.rank] if per_rank else None
 
-    @property
+    @functools.cached_property
     def planned(self) -> int:
-        """Leading steps of every epoch planned from the lengths alone, with no collective (none under TP)."""
+        """Leading steps of every epoch planned from the lengths alone, with no collective (none under TP); computed
+        once (it reads every rank's length)."""
         if self.layout.tp > 1:  # every step agreed: the ranks of a tensor-parallel group must hold one batch
             return 0
         return steps_planned_from_lengths(self.lengths.per_rank, self.length)
@@ -260,8 +269,7 @@ class Agreement:
     def plan(self) -> StepPlan:
         """Wait for every rank's row (once) and return the common plan."""
         if self._plan is None:
-            statuses = tuple(RankStatus.from_row(row) for row in self._pending.wait())
-            self._plan = StepPlan(step=self.step, statuses=statuses)
+            self._plan = StepPlan(step=self.step, statuses=Statuses(self._pending.array()))
         return self._plan
 
 
@@ -368,21 +376,22 @@ class Protocol:
         self,
         plan: StepPlan,
         error: Optional[BaseException] = None,
-        counts: Sequence[int] = (),
+        counts: Union[Sequence[int], Callable[[], Sequence[int]]] = (),
         structure: Callable[[], str] = lambda: '',
     ) -> Verdict:
         """What the step of ``plan`` is (a planned step: trained). ``error``: what this rank's read raised;
-        ``counts``: every member's real batches so far (the epoch's report), for a message; ``structure``: this rank's
+        ``counts``: every member's real batches so far (the epoch's report; or a callable giving them, read only for
+        the message that needs them); ``structure``: this rank's
         batch (or template) structure in words, gathered from every rank where structures differ (then an error)."""
         if not plan.agreed:
             return Verdict(plan)
         failure = self._failure(plan, error, counts, structure)
         if failure is not None:
             return Verdict(plan, error=failure)
-        if not plan.active_ranks:
+        if not plan.num_active:
             self.ended = True
             return Verdict(plan, ends=True)
-        overflow = [r for r, s in enumerate(plan.statuses) if s.overflow]
+        overflow = plan.ranks_where('overflow')
         if overflow and not self.uncapped:  # Composer stops at its cap, the longest len(): they would be lost
             return Verdict(plan, error=self._overflow_error(overflow))
         self.beyond = self.beyond or bool(overflow)
@@ -410,7 +419,7 @@ class Protocol:
         here, no new collective); False where the next step is planned or its agreement has not started."""
         if ahead is None:
             return True
-        return ahead.agreed and ahead.agreement is not None and not ahead.agreement.plan().active_ranks
+        return ahead.agreed and ahead.agreement is not None and not ahead.agreement.plan().num_active
 
     def beyond_warning(self, counts: Sequence[int], steps: int) -> Optional[str]:
         """On rank 0, at the end of an epoch that went on past the shared length: what to warn (None: nothing).
@@ -473,10 +482,14 @@ class Protocol:
     # -- the errors ----------------------------------------------------------------------------------
 
     def _failure(
-        self, plan: StepPlan, error: Optional[BaseException], counts: Sequence[int], structure: Callable[[], str]
+        self,
+        plan: StepPlan,
+        error: Optional[BaseException],
+        counts: Union[Sequence[int], Callable[[], Sequence[int]]],
+        structure: Callable[[], str],
     ) -> Optional[BaseException]:
         """The error every rank raises at an agreed step, if any, in order of precedence."""
-        failed = [r for r, s in enumerate(plan.statuses) if s.failed]
+        failed = plan.ranks_where('failed')
         if failed:
             if error is not None:
                 return error
@@ -484,7 +497,7 @@ class Protocol:
                 f'rank(s) {failed} could not form batch {plan.step} of epoch {self.epoch} (their dataloader raised, '
                 f'or their data cannot be shadowed); every rank stops here, the failing rank raises the cause'
             )
-        short = [r for r, s in enumerate(plan.statuses) if s.short]
+        short = plan.ranks_where('short')
         if short:
             return self._short_error(short, plan.step)
         try:
@@ -501,9 +514,11 @@ class Protocol:
                 f"batch copies container types, keys, tensor dtypes and dimensions; make every rank's dataloader "
                 f'yield one structure at every step.',
             )
-        if self.rules.throw and plan.active_ranks and plan.joined_ranks:
+        if self.rules.throw and plan.num_active and plan.any_joined:
             layout = self.rules.layout
-            batches = ', '.join(f'{layout.name(m)}: {n}' for m, n in enumerate(counts))
+            batches = ', '.join(
+                f'{layout.name(m)}: {n}' for m, n in enumerate(counts() if callable(counts) else counts)
+            )
             return UnevenInputsError(
                 f'rank(s) {plan.joined_ranks} ran out of data at step {plan.step} of epoch {self.epoch} '
                 f'while rank(s) {plan.active_ranks} still have batches (batches so far: {batches}). '

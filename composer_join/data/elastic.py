@@ -15,7 +15,9 @@ to know which samples of the epoch no rank has trained yet, whatever the world s
   :func:`one_epoch_loader` gives the rest of the epoch as a ``DataLoader`` like the user's (its dataset,
   collate function, workers), over those indices; the next epoch shards as usual for the new world size.
 
-Cost: one ``all_gather_object`` of a few integers per rank at each checkpoint; on resuming on another world
+Cost: one ``all_gather_object`` of each rank's position entry at each checkpoint (a few integers and the sampler's
+description; after a resume on another world size rank 0's entry also carries the old world's per-rank counts, so
+``O(W)`` in all); on resuming on another world
 size, one permutation of the dataset per old rank (what the sampler itself costs) and a second length
 agreement at the end of the resumed epoch.
 
@@ -33,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, cast
 
+from composer.utils import dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from composer_join.data.positions import Kind, Position
@@ -144,6 +147,10 @@ class GlobalOrderPosition(Position):
         return Kind.GLOBAL_ORDER if self.layout is None else Kind.REST
 
     def save(self, used: int) -> Any:
+        """The sampler's description; the layout in rank 0's entry only (:func:`layout_of` reads it there): it lists
+        every old rank's count, so in every entry the checkpoint would hold ``O(W^2)`` integers."""
+        if dist.get_global_rank() != 0:
+            return {'order': asdict(self.order)}
         return {'order': asdict(self.order), 'layout': self.layout}
 
     def load(self, state: Any) -> None:

@@ -269,8 +269,8 @@ def snapshot(
     """
     return {
         'world_size': dist.get_world_size(),
-        'reports': [copy.deepcopy(vars(r)) for r in reports],
-        'current': None if current is None else copy.deepcopy(vars(current)),
+        'reports': [r.state() for r in reports],
+        'current': None if current is None else current.state(),
         'wrapper': copy.deepcopy(wrapper),
         'ranks': ranks,
         'epoch_done': epoch_done,

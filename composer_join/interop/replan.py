@@ -24,8 +24,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import numpy as np
+
 from composer_join.core.catalogue import RECOUNT
-from composer_join.core.plan import StepPlan
+from composer_join.core.plan import COLUMNS, Statuses, StepPlan
 from composer_join.core.protocol import Exchange
 
 __all__ = ['replan']
@@ -50,11 +52,14 @@ def replan(
     """
     if not plan.agreed:
         own = dataclasses.replace(plan.statuses[rank], samples=samples, microbatches=microbatches)
+        uniform = plan.rows.uniform
+        if uniform is not None and uniform[0] == rank:  # this rank's row and the others' (nothing per rank)
+            return dataclasses.replace(plan, statuses=Statuses.planned(plan.world_size, rank, own, uniform[2]))
         return dataclasses.replace(plan, statuses=tuple(own if r == rank else s for r, s in enumerate(plan.statuses)))
     assert exchange is not None, 'an agreed step is recounted over the exchange it was agreed over'
-    gathered = exchange.rows([samples, microbatches], RECOUNT.said(f'the recount of step {plan.step}')).wait()
-    statuses = tuple(
-        dataclasses.replace(status, samples=counts[0], microbatches=counts[1])
-        for status, counts in zip(plan.statuses, gathered)
-    )
-    return dataclasses.replace(plan, statuses=statuses)
+    said = RECOUNT.said(f'the recount of step {plan.step}')
+    gathered = np.asarray(exchange.rows([samples, microbatches], said).array())
+    table = plan.rows.table.copy()
+    table[:, COLUMNS.index('samples')] = gathered[:, 0]
+    table[:, COLUMNS.index('microbatches')] = gathered[:, 1]
+    return dataclasses.replace(plan, statuses=Statuses(table))

@@ -124,7 +124,7 @@ class StepRecord:
     @property
     def any_shadow(self) -> bool:
         """Some rank has no real batch at this step: ``bool(plan.joined_ranks)``."""
-        return bool(self.plan.joined_ranks)
+        return self.plan.any_joined
 
     def recounted(self, size: Any) -> StepRecord:
         """This step with its microbatch counts for ``size`` (:meth:`~composer_join.core.plan.StepPlan.recounted`)."""
@@ -499,7 +499,7 @@ class JoinLoader:
                     return
                 self.source.observe(plan)  # read-ahead rebalancing: buffer levels (or bounds) for the next step
                 structure = functools.partial(reader.structure, item)  # gathered only where structures differ
-                verdict = protocol.verdict(plan, error, self.report.real_batches, structure)
+                verdict = protocol.verdict(plan, error, lambda: self.report.real_batches, structure)
                 if verdict.error is not None:
                     raise verdict.error
                 if verdict.ends:

@@ -2,6 +2,8 @@
 
 * :mod:`~composer_join.rebalance.rebalance`: ``Rebalancer``, what both schemes share, and the planned schedule
   when every rank has a ``len()`` (``RebalancingLoader``);
+* :mod:`~composer_join.rebalance.planning`: that schedule computed in ``O(W log W)`` and kept as its transfers
+  (``Schedule``), once per process for given counts;
 * :mod:`~composer_join.rebalance.readahead`: the scheme without ``len()``: read-ahead buffers, their levels in
   the agreement, the give/receive rule;
 * :mod:`~composer_join.rebalance.transfer`: ``BatchChannel``, the point-to-point transfer of one batch (the

@@ -20,7 +20,8 @@ dataloader has ended) in step ``t``'s row. ``held < 2`` only once ``drained``.
    the *donor* with the largest surplus, ties to the lowest rank. A rank ``q`` with ``held >= 1``
    has surplus ``held_q - 1 - g_q`` (``g_q``: batches it was already assigned to give at this
    step); it is a donor if that is ``>= 1``, or if it is not ``drained`` (it will read a fresh
-   batch to give). If there is no donor the rank idles: it shadows this step.
+   batch to give), and it has given fewer than :data:`MAX_GIFTS` (32) batches at this step: a donor reads and
+   sends at most 32 batches a step. If there is no donor the rank idles: it shadows this step.
 4. A donor gives its batches in order: first those in its buffer, then fresh ones from its
    dataloader, to its receivers in increasing rank order. If its dataloader ends while it reads a
    fresh one, the remaining receivers idle this step (nothing is lost: the next rows say so).
@@ -58,10 +59,12 @@ per rank.
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from composer_join.core.batches import map_tensors
@@ -75,12 +78,30 @@ from composer_join.core.source import IDLE, Opener
 from composer_join.rebalance.rebalance import Rebalancer
 from composer_join.rebalance.transfer import BatchChannel
 
-__all__ = ['READ_AHEAD', 'ReadAheadRebalancer', 'agreement_needed', 'assign', 'rebalanced_without_len']
+__all__ = [
+    'MAX_GIFTS',
+    'READ_AHEAD',
+    'ReadAheadRebalancer',
+    'agreement_needed',
+    'assign',
+    'assign_levels',
+    'rebalanced_without_len',
+]
 
 log = logging.getLogger(__name__)
 
 READ_AHEAD = 2
 """Batches a rank holds in its read-ahead buffer at most, beyond the one it trains next."""
+
+MAX_GIFTS = 32
+"""Batches a donor gives at most in one step (rule 3): a bound on what it reads and sends while a step trains.
+
+Without ``len()`` nobody knows who holds the spare batches until ranks run dry, so at an epoch's tail a few ranks may
+have to feed many (issue #48's shards at W=1,024: up to 204 receivers per donor in a step, uncapped). The cap costs
+steps where the spare batches sit on fewer than ``W / 33`` ranks: measured there, 1,028 steps instead of 1,005 (+2.4%;
+the ideal is 1,004) at W=1,024 (``benchmarks/scale.py``). Never binds below 34 ranks."""
+
+Levels = tuple[np.ndarray, np.ndarray]  # per rank: held, drained
 
 
 def assign(
@@ -104,22 +125,44 @@ def assign(
     if layout is not None and layout.tp > 1:
         per_member = assign(layout.leaders(rows), transfers)
         return None if per_member is None else layout.on_ranks(per_member, layout.counterpart)
-    world = len(rows)
-    if all(held == 0 for held, _ in rows):
+    held = np.fromiter((h for h, _ in rows), dtype=np.int64, count=len(rows))
+    drained = np.fromiter((bool(d) for _, d in rows), dtype=bool, count=len(rows))
+    cells = assign_levels(held, drained, transfers)
+    return None if cells is None else [None if c < 0 else c for c in cells.tolist()]
+
+
+def assign_levels(held: np.ndarray, drained: np.ndarray, transfers: bool = True) -> Optional[np.ndarray]:
+    """:func:`assign` on the levels as arrays (per rank: ``held``, ``drained``), without a Python object per rank.
+
+    Returns, per rank, the rank whose batch it trains (``-1``: it idles), or None if the epoch is over. Cost:
+    ``O(W)`` array operations, and ``O(log W)`` per dry rank: the donors wait in one heap of ranks per surplus
+    (ties to the lowest rank), a donor's surplus falls by one per batch it gives, and it leaves once it has
+    given :data:`MAX_GIFTS` at this step.
+    """
+    if not (held != 0).any():
         return None
-    cells: list[Optional[int]] = [r if held >= 1 else None for r, (held, _) in enumerate(rows)]
-    if not transfers:
+    world = len(held)
+    cells = np.where(held >= 1, np.arange(world), -1)
+    dry = np.flatnonzero(held < 1)
+    if not transfers or not len(dry):
         return cells
-    given = [0] * world
-    for r in range(world):
-        if cells[r] is not None:
-            continue
-        surplus = {q: rows[q][0] - 1 - given[q] for q in range(world) if rows[q][0] >= 1}
-        donors = [q for q, s in surplus.items() if s >= 1 or not rows[q][1]]
-        if donors:
-            donor = max(donors, key=lambda q: (surplus[q], -q))
-            cells[r] = donor
-            given[donor] += 1
+    surplus = held - 1
+    eligible = (held >= 1) & ((surplus >= 1) | ~drained)
+    buckets: dict[int, list[int]] = {}  # surplus -> ranks (a heap: sorted lists are heaps)
+    for k in np.unique(surplus[eligible]).tolist():
+        buckets[k] = np.flatnonzero(eligible & (surplus == k)).tolist()
+    given: dict[int, int] = collections.defaultdict(int)
+    key: Optional[int] = max(buckets, default=None)  # the largest surplus with a donor (pushes only go below it)
+    for r in dry.tolist():
+        while key is not None and not buckets[key]:
+            key = max((k for k, ranks in buckets.items() if k < key and ranks), default=None)
+        if key is None:
+            break  # no donor left at this step: the remaining dry ranks idle
+        donor = heapq.heappop(buckets[key])
+        cells[r] = donor
+        given[donor] += 1
+        if given[donor] < MAX_GIFTS and (key - 1 >= 1 or not drained[donor]):
+            heapq.heappush(buckets.setdefault(key - 1, []), donor)
     return cells
 
 
@@ -177,11 +220,10 @@ class ReadAheadRebalancer(Rebalancer):
         self.exchange = exchange if exchange is not None else TorchExchange(to_device)
         self.transfers = True  # False once some rank reported an unsendable batch (for the rest of the fit)
         self.peak_held = self.peak_held_bytes = 0
-        self.assignments: list[Optional[list[Optional[int]]]] = []  # this epoch, per step, as this rank computed it
-        self._rows: Optional[list[tuple[int, bool]]] = None  # the last agreed step's (held, drained) per rank
+        self._rows: Optional[Levels] = None  # the last agreed step's (held, drained), per rank
         self._columns = {'held': 0, 'drained': False, 'unsendable': False}
-        self._cells: Optional[list[Optional[int]]] = None  # the current step's assignment
-        self._bounds: list[tuple[int, bool]] = []  # what the current step's rows are known to be without agreeing
+        self._cells: Optional[np.ndarray] = None  # the current step's assignment (-1: idles)
+        self._bounds: Optional[Levels] = None  # what the current step's rows are known to be without agreeing
         self.agreed = True  # the step whose batch next() just returned needs an agreement (see agreement_needed)
         self._counts = self._zero_counts()
 
@@ -192,8 +234,8 @@ class ReadAheadRebalancer(Rebalancer):
     def length(self) -> Optional[int]:  # not known ahead
         return None
 
-    def _zero_counts(self) -> dict[str, list[int]]:
-        return {k: [0] * self.world for k in ('own_batches', 'received_batches', 'given_batches')}
+    def _zero_counts(self) -> dict[str, np.ndarray]:
+        return {k: np.zeros(self.world, dtype=np.int64) for k in ('own_batches', 'received_batches', 'given_batches')}
 
     def used(self, steps: int, trained: int) -> int:
         """Not known here (-1): a rank's position depends on read-ahead buffers that no checkpoint holds, so its
@@ -206,7 +248,7 @@ class ReadAheadRebalancer(Rebalancer):
 
     def counts_per_rank(self) -> dict[str, list[int]]:
         """Per rank: batches trained from its own shard, received, given away (this epoch, from the agreements)."""
-        return {k: list(v) for k, v in self._counts.items()}
+        return {k: v.tolist() for k, v in self._counts.items()}
 
     # -- the JoinLoader's hooks ----------------------------------------------------------------
 
@@ -220,18 +262,17 @@ class ReadAheadRebalancer(Rebalancer):
         For a step that needed no agreement (:attr:`agreed` False; the JoinLoader's local plan, in
         which every rank has a batch), the levels are the lower bounds the last agreed rows imply.
         """
-        statuses = plan.statuses
-        cells = self._cells or [None] * len(statuses)
-        for r, (cell, s) in enumerate(zip(cells, statuses)):
-            if cell is None or not s.has_batch:
-                continue
-            if cell == r:
-                self._counts['own_batches'][r] += 1
-            else:
-                self._counts['received_batches'][r] += 1
-                self._counts['given_batches'][cell] += 1
-        self._rows = [(s.held, s.drained) for s in statuses] if plan.agreed else self._bounds
-        unsendable = [r for r, s in enumerate(statuses) if s.unsendable]
+        cells, rows = self._cells, plan.rows
+        if cells is not None:
+            ranks = np.arange(len(cells))
+            trains = (cells >= 0) & (rows.column('has_batch') != 0 if plan.agreed else True)
+            own = trains & (cells == ranks)
+            received = trains & ~own
+            self._counts['own_batches'] += own
+            self._counts['received_batches'] += received
+            self._counts['given_batches'] += np.bincount(cells[received], minlength=len(cells))
+        self._rows = (rows.column('held'), rows.column('drained') != 0) if plan.agreed else self._bounds
+        unsendable = plan.ranks_where('unsendable')
         if unsendable and self.transfers:
             self.transfers = False
             if self.rank == 0:
@@ -249,7 +290,7 @@ class ReadAheadRebalancer(Rebalancer):
 
     def _steps(self, open: Opener) -> Iterator[Any]:
         self.bytes_sent = self.bytes_received = 0
-        self._counts, self.assignments, self._rows = self._zero_counts(), [], None
+        self._counts, self._rows = self._zero_counts(), None
         self.agreed = True
         source = _Source(open(False))
         self._rows = self._first_rows(source)
@@ -259,22 +300,22 @@ class ReadAheadRebalancer(Rebalancer):
             self.agreed = True
             if self._rows is None:  # the JoinLoader did not observe the last step: it stopped
                 return
-            cells = assign(self._rows, self.transfers, self.layout)
-            self.agreed = agreement_needed(self._rows)
-            self._cells, self._bounds, self._rows = cells, [(held - 1, d) for held, d in self._rows], None
-            self.assignments.append(cells)
+            held, drained = self._rows
+            cells = self._assign(held, drained)
+            self.agreed = not len(held) or bool(held.min() < 2)  # agreement_needed
+            self._cells, self._bounds, self._rows = cells, (held - 1, drained), None
             if cells is None:
                 return
             if deferred is not None and self.agreed:  # the JoinLoader's agreement tells every rank
                 raise deferred
-            mine = cells[self.rank]
+            mine = int(cells[self.rank])
             if mine == self.rank:
                 batch = source.buffer.popleft()
-            elif mine is None:
+            elif mine < 0:
                 batch = IDLE
             else:
                 batch = self._receive_gift(mine, step)
-            receivers = [q for q, c in enumerate(cells) if c == self.rank and q != self.rank]
+            receivers = [q for q in np.flatnonzero(cells == self.rank).tolist() if q != self.rank]
             if receivers:
                 self._give(source, receivers, step)
             try:
@@ -295,7 +336,15 @@ class ReadAheadRebalancer(Rebalancer):
             yield batch
             step += 1
 
-    def _first_rows(self, source: _Source) -> list[tuple[int, bool]]:
+    def _assign(self, held: np.ndarray, drained: np.ndarray) -> Optional[np.ndarray]:
+        """:func:`assign_levels`, over the layout's members where there is tensor parallelism."""
+        layout = self.layout
+        if layout.tp == 1:
+            return assign_levels(held, drained, self.transfers)
+        cells = assign(list(zip(held.tolist(), drained.tolist())), self.transfers, layout)
+        return None if cells is None else np.array([-1 if c is None else c for c in cells])
+
+    def _first_rows(self, source: _Source) -> Levels:
         """Fill the buffer and exchange every rank's ``(held, drained)``: one all-reduce of ``2 * W`` integers per epoch.
 
         A rank whose dataloader raises here still takes part (reporting ``-1``), so no rank waits;
@@ -308,11 +357,11 @@ class ReadAheadRebalancer(Rebalancer):
             failure = e
         row = [-1 if failure is not None else len(source.buffer), int(source.drained)]
         said = READAHEAD_LEVELS.said("the exchange of the ranks' read-ahead levels at the epoch's start")
-        table = self.exchange.rows(row, said).wait()
-        rows = [(int(h), bool(d)) for h, d in table]
+        table = np.asarray(self.exchange.rows(row, said).array(), dtype=np.int64).reshape(-1, 2)
+        rows = (table[:, 0], table[:, 1] != 0)
         if failure is not None:
             raise failure
-        failed = [r for r, (h, _) in enumerate(rows) if h < 0]
+        failed = np.flatnonzero(rows[0] < 0).tolist()
         if failed:
             raise UnevenInputsError(
                 f'rank(s) {failed} could not read the first batches of the epoch (their dataloader '

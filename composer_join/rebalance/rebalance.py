@@ -59,6 +59,7 @@ from composer_join.core.layout import Layout
 from composer_join.core.plan import len_or_none
 from composer_join.core.report import EpochReport
 from composer_join.core.source import BatchSource, Failed, Opener
+from composer_join.rebalance.planning import Schedule
 from composer_join.rebalance.transfer import BatchChannel
 
 __all__ = ['Rebalancer', 'RebalancingLoader', 'rebalanced', 'schedule']
@@ -71,7 +72,8 @@ def schedule(counts: list[int], layout: Optional[Layout] = None) -> list[list[Ce
 
     Returns, per step, per rank, ``(owner, index)`` of the batch that rank trains, or ``None``
     if it shadows. ``layout``: the rules over its members, each member's cell spread to its ranks
-    (``counts`` per rank, the same within a member). Cost: ``O(steps * W^2)``, once per fit.
+    (``counts`` per rank, the same within a member). Cost: ``O(steps * W)`` (every cell listed); the loaders keep
+    the plan as its transfers only (:class:`~composer_join.rebalance.planning.Schedule`, ``O(W log W)``).
 
     Example:
         >>> schedule([3, 0])
@@ -82,25 +84,7 @@ def schedule(counts: list[int], layout: Optional[Layout] = None) -> list[list[Ce
     if layout is not None and layout.tp > 1:
         rows = schedule(layout.leaders(counts))
         return [layout.on_ranks(row, lambda c, r: (layout.counterpart(c[0], r), c[1])) for row in rows]
-    world = len(counts)
-    taken = [0] * world  # batches of each rank's shard handed out so far
-    steps = []
-    while any(t < n for t, n in zip(taken, counts)):
-        row: list[Cell] = [None] * world
-        idle = []
-        for r in range(world):
-            if taken[r] < counts[r]:
-                row[r] = (r, taken[r])
-                taken[r] += 1
-            else:
-                idle.append(r)
-        for r in idle:
-            donor = max(range(world), key=lambda d: (counts[d] - taken[d], -d))
-            if counts[donor] > taken[donor]:
-                row[r] = (donor, taken[donor])
-                taken[donor] += 1
-        steps.append(row)
-    return steps
+    return Schedule.of(counts).rows()
 
 
 class Rebalancer(BatchSource):
@@ -215,9 +199,11 @@ class RebalancingLoader(Rebalancer):
         channel: Optional[BatchChannel] = None,
     ):
         super().__init__(dataloader, counts, to_device, count, layout, channel)
-        self.steps = schedule(self.counts, self.layout)
+        self.plan = Schedule.of(self.layout.leaders(self.counts))
+        """The schedule over the data-parallel members (one rank per member without tensor parallelism)."""
+        self.member = self.layout.member(self.rank)
         self.check_overflow = own_len == self.counts[self.rank]
-        self.assigned = [sum(1 for row in self.steps if row[r] is not None) for r in range(len(self.counts))]
+        self.assigned = self._per_rank(self.plan.assigned)
         """Every rank's batches per epoch under the schedule, own and received."""
         self._read_samples: dict[int, int] = {}  # step -> samples of own batches read for it (trained or given)
         self._sent: dict[int, int] = {}  # step -> bytes sent for it
@@ -252,22 +238,19 @@ class RebalancingLoader(Rebalancer):
     @property
     def length(self) -> int:
         """Steps per epoch on every rank: the longest assigned count."""
-        return len(self.steps)
+        return self.plan.length
+
+    def _per_rank(self, per_member: list[int]) -> list[int]:
+        return [per_member[self.layout.member(r)] for r in range(len(self.counts))]
 
     def counts_per_rank(self) -> dict[str, list[int]]:
         """Per rank: batches trained from its own shard, received, given away (from the schedule)."""
-        world = len(self.counts)
-        own, received, given = [0] * world, [0] * world, [0] * world
-        for row in self.steps:
-            for r, cell in enumerate(row):
-                if cell is None:
-                    continue
-                if cell[0] == r:
-                    own[r] += 1
-                else:
-                    received[r] += 1
-                    given[cell[0]] += 1
-        return {'own_batches': own, 'received_batches': received, 'given_batches': given}
+        plan = self.plan
+        return {
+            'own_batches': self._per_rank(plan.own),
+            'received_batches': self._per_rank(plan.received),
+            'given_batches': self._per_rank(plan.given),
+        }
 
     def epoch(self, start: int, open: Opener) -> Iterator[Any]:
         self.start = start
@@ -277,24 +260,23 @@ class RebalancingLoader(Rebalancer):
         self.bytes_sent, self.bytes_received = self._resumed[1] if self.start else 0, 0
         self._read_samples, self._sent = {}, {}
         reader = _Reader(lambda: open(self.start > 0), self.counts[self.rank], self.check_overflow, self.rank)
-        reader.read = sum(1 for row in self.steps[: self.start] for c in row if c is not None and c[0] == self.rank)
+        plan, member, layout = self.plan, self.member, self.layout
+        reader.read = min(self.start, plan.own[member]) + plan.given_before(member, self.start)
         if self.start:  # a dataset that resumed itself applies its state at its next iteration: this one
             reader._it = reader.open()
         failure: Optional[BaseException] = None  # once set, every later step yields Failed(failure)
-        for step, row in enumerate(self.steps):
-            if step < self.start:
-                continue
-            cell = row[self.rank]
+        for step in range(self.start, plan.length):
+            cell = plan.cell(step, member)
             if cell is None:
                 return
-            if cell[0] != self.rank:
+            if cell[0] != member:
                 try:
-                    received = self.channel.receive(cell[0], step)
+                    received = self.channel.receive(layout.counterpart(cell[0], self.rank), step)
                 except Exception as e:  # the donor failed
                     failure = failure or e
                 yield received if failure is None else Failed(failure)
                 continue
-            receivers = [q for q, c in enumerate(row) if c is not None and c[0] == self.rank and q != self.rank]
+            receivers = [layout.counterpart(q, self.rank) for q in plan.receivers(member, step)]
             batches: list[Any] = []
             try:
                 if failure is None:

@@ -181,7 +181,7 @@ class UnusedParameters:
     @staticmethod
     def needed(plan: Any) -> bool:
         """Some rank shadows, and every rank can tell its last microbatch (every rank's samples are counted)."""
-        return bool(plan.joined_ranks) and all(s.samples >= 0 for s in plan.statuses)
+        return plan.any_joined and plan.all_counted  # (array operations on the step's table)
 
     def start_step(self) -> None:
         self.stop()

@@ -98,9 +98,9 @@ class MicrobatchPadding:
         self.last_count = len(microbatches)
         self.uneven = False
         plan = self.plan()
-        if plan is None or not plan.active_ranks or not (self.pad or self.needed()):
+        if plan is None or not plan.num_active or not (self.pad or self.needed()):
             return microbatches
-        counts = [s.microbatches for s in plan.statuses]  # for the microbatch size in force (StepPlan.recounted)
+        counts = plan.rows.column('microbatches').tolist()  # for the microbatch size in force (StepPlan.recounted)
         if 0 in counts:
             # Not all counts are known (a step planned from the lengths alone, or batches Composer's
             # default DataSpec cannot count): every rank is here, so every rank's count now (one exchange of rows).

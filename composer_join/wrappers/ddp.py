@@ -483,7 +483,7 @@ class DDPWrapper(Wrapper):
         """Whether this step takes back gradients no real sample gave (the same on every rank): some rank shadows by
         running the model (this way does, or a rank with no loss of its own yet runs the template: one that never saw a
         batch, in the step's agreed rows, or one that had seen no loss when the fit started, :class:`FreshRanks`)."""
-        runs_model = self.way.runs_model or self.fresh.now or any(s.needs_template for s in plan.statuses)
+        runs_model = self.way.runs_model or self.fresh.now or plan.template_needed
         return runs_model and UnusedParameters.needed(plan)
 
 

@@ -88,7 +88,8 @@ class GradientUnits:
 
     Cost per microbatch: a walk over the loss's autograd graph (about 1 us per node in Python: 0.4 ms for a
     12-layer transformer encoder), one Python call per forward of a module holding a unit's parameters, and one
-    all-reduce of ``4 * units`` bytes.
+    all-reduce of ``4 * (units + 1)`` bytes (nothing in it per rank: a rank's failure counts in one integer, and
+    only where some rank failed do the ranks gather who, on that error path).
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -155,19 +156,23 @@ class GradientUnits:
         gloo (:func:`host_group`: the default group under gloo, a gloo group beside NCCL), so the check
         never waits for the GPU: the forward's kernels keep running while the ranks compare flags.
         ``failure``: an error this rank found in this step (its microbatches cannot be padded): it
-        travels in the same all-reduce (one more integer per rank), and every rank raises.
+        travels in the same all-reduce (one more integer: how many ranks failed), and every rank raises (the
+        failing ones are named by one ``all_gather_object``, on that error path only).
         """
         reached, self._watching = reached_leaves(loss), False  # the backward's recomputations are not watched
-        world, rank = dist.get_world_size(), dist.get_global_rank()
-        flags = [int(failure is not None and r == rank) for r in range(world)]
+        world = dist.get_world_size()
         uses = [
             (leaf is not None and id(leaf) in reached) or unit in self._recomputed
             for unit, leaf in enumerate(self._leaves())
         ]
-        used = torch.tensor(uses + flags, dtype=torch.int32)
+        used = torch.tensor([*uses, int(failure is not None)], dtype=torch.int32)
         said = FSDP_UNITS.said(f'the all-reduce of the FSDP units used at step {plan.step}')
         used = TorchExchange(group=host_group()).reduce(used, 'sum', said)  # a CPU tensor, over gloo
-        used, failed = used[: len(self)], [r for r, f in enumerate(used[len(self) :].tolist()) if f]
+        used, any_failed = used[: len(self)], int(used[len(self)])
+        failed: list[int] = []
+        if any_failed:  # on every rank alike: name the failing ranks (an error path)
+            said = FSDP_UNITS.said(f'the gather of the ranks whose microbatches of step {plan.step} cannot be padded')
+            failed = [r for r, f in enumerate(TorchExchange().gather(failure is not None, said)) if f]
         if failure is not None:
             raise failure
         if failed:

@@ -54,7 +54,7 @@ def first_iteration_syncs(plan: StepPlan, rank: int, strategy: Optional[str], ex
     The counts come from the agreed plan; on a step planned from the lengths (the others' counts unknown) from one
     exchange of one integer per rank, once per DDP object.
     """
-    counts = [s.microbatches for s in plan.statuses]
+    counts = plan.rows.column('microbatches').tolist()
     if not plan.agreed:
         said = STATIC_GRAPH_COUNTS.said(f'the microbatch counts of step {plan.step}')
         table = exchange.rows([counts[rank]], said).wait()

@@ -138,10 +138,10 @@ def train_spec(sc: dict, rank: int) -> DataSpec:
     )
 
 
-def eval_spec(sc: dict, rank: int, group: int, sizes: list[int]) -> DataSpec:
+def eval_spec(sc: dict, rank: int, group: int, sizes: list[int], batch: int) -> DataSpec:
     ids = [1000 * (group + rank) + i for i in range(sizes[rank])]
     collate = Collate(sc.get('fmt', 'tuple'), sc.get('transform') is not None)
-    loader = DataLoader(SizedStream(ids, sc['eval_batch'], len(ids)), batch_size=sc['eval_batch'], collate_fn=collate)
+    loader = DataLoader(SizedStream(ids, batch, len(ids)), batch_size=batch, collate_fn=collate)
     return DataSpec(loader, batch_transforms=to_float if sc.get('transform') else None)
 
 
@@ -252,7 +252,7 @@ def build(sc: dict, rank: int) -> tuple[Trainer, Model, StepIds]:
     if sc.get('eval') in ('own', 'both'):
         evaluator = Evaluator(
             label='eval',
-            dataloader=eval_spec(sc, rank, 50, sc['eval_shards']),
+            dataloader=eval_spec(sc, rank, 50, sc['eval_shards'], sc['eval_batch']),
             metric_names=['MulticlassAccuracy', 'MeanLoss', 'ListIds'],
             device_eval_microbatch_size=sc.get('eval_microbatch'),
         )
@@ -294,14 +294,14 @@ def run(sc: dict) -> dict[str, Any]:
         if sc.get('eval') in ('passed', 'both'):
             passed = Evaluator(
                 label='passed',
-                dataloader=eval_spec(sc, rank, 50, sc['eval_shards']),
+                dataloader=eval_spec(sc, rank, 50, sc['eval_shards'], sc['eval_batch']),
                 metric_names=['MulticlassAccuracy', 'MeanLoss', 'ListIds'],
                 device_eval_microbatch_size=sc.get('eval_microbatch'),
             )
             trainer.eval(eval_dataloader=passed)
             out['eval_passed'] = metrics_of(trainer, 'passed')
         if sc.get('predict_shards') is not None:
-            predicted = trainer.predict(eval_spec(sc, rank, 70, sc['predict_shards']), return_outputs=True)
+            predicted = trainer.predict(eval_spec(sc, rank, 70, sc['predict_shards'], sc['batch']), return_outputs=True)
             out['predictions'] = torch.cat([o.cpu() for o in predicted]) if predicted else torch.zeros(0, ref.CLASSES)
     except Exception as e:  # the checker decides whether the scenario predicted it
         out['error'] = (type(e).__name__, str(e)[:2000])

@@ -115,6 +115,9 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
     """``sc`` made valid and minimal: what a feature needs, and nothing that no feature reads."""
     sc = copy.deepcopy(sc)
     world, batch = sc['world'], sc['batch']
+    sc.setdefault('model', 'mlp')
+    sc.setdefault('source', 'len')
+    sc.setdefault('duration', [1, 'ep'])
     sc.setdefault('shards', [batch] * world)
     sc['shards'] = (sc['shards'] + [0] * world)[:world]
     if sum(sc['shards']) == 0 and sc['source'] not in ('exact', 'torch'):
@@ -157,7 +160,7 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         sc['duration'] = [max(1, math.ceil(sc['duration'][0] * 2 * total)), sc['duration'][1]]
     if sc['model'] == 'bn' and _tiny_microbatch(sc):  # BatchNorm cannot train a microbatch of one sample
         sc['model'] = 'mlp'
-    for k in [k for k, v in sc.items() if v in (None, False) and k not in ('divide',)]:
+    for k in [k for k, v in sc.items() if (v is None or v is False) and k != 'divide']:
         del sc[k]
     if sc.get('divide', True):
         sc.pop('divide', None)

@@ -9,6 +9,11 @@ another in one launch (one process group). Not a test module.
 
 from __future__ import annotations
 
+import glob
+import os
+import shutil
+import tempfile
+import zlib
 from typing import Any, Optional
 
 import torch
@@ -235,7 +240,31 @@ def metrics_of(trainer: Trainer, label: str) -> dict[str, Any]:
     }
 
 
-def build(sc: dict, rank: int) -> tuple[Trainer, Model, StepIds]:
+def parallelism(sc: dict) -> Optional[dict]:
+    """FSDP1 or FSDP2 as ``tests/scenarios_fsdp.py`` runs them on CPU (its gloo workarounds applied), or DDP."""
+    if sc.get('wrapper') is None:
+        return None
+    from composer.utils import FSDP2Config
+
+    from scenarios_fsdp import cpu_fsdp_workarounds
+
+    cpu_fsdp_workarounds()
+    if sc['wrapper'] == 'fsdp2':
+        return {'fsdp': FSDP2Config()}
+    return {'fsdp': {'sharding_strategy': 'FULL_SHARD'}}
+
+
+def full_state(trainer: Trainer, model: Model, sc: dict) -> dict[str, torch.Tensor]:
+    """The module's whole state (under FSDP gathered: a collective on every rank)."""
+    if sc.get('wrapper') is None:
+        return {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(trainer.state.model, options=StateDictOptions(full_state_dict=True))
+    return {k[len('module.') :]: v.detach().cpu().clone() for k, v in state.items() if k.startswith('module.')}
+
+
+def build(sc: dict, rank: int, **checkpoint: Any) -> tuple[Trainer, Model, StepIds]:
     model, steps = Model(sc), StepIds(bool(sc.get('stock')))
     algorithms: list[Algorithm] = []
     if not sc.get('stock'):
@@ -269,13 +298,41 @@ def build(sc: dict, rank: int) -> tuple[Trainer, Model, StepIds]:
         device=devices.trainer_device(),
         device_train_microbatch_size=sc.get('microbatch'),
         ddp_sync_strategy=sc.get('sync'),
+        parallelism_config=parallelism(sc),
         progress_bar=False,
         log_to_console=False,
         seed=0,
+        **checkpoint,
     )
     if sc.get('static_graph'):
         trainer.state.model._set_static_graph()  # torch's own switch; Composer has no option for it
     return trainer, model, steps
+
+
+def folder_for(sc: dict) -> str:
+    """A checkpoint folder the same on every rank of this launch, its own per scenario."""
+    return os.path.join(tempfile.gettempdir(), f'fuzz47-{os.environ["MASTER_PORT"]}-{zlib.crc32(repr(sc).encode())}')
+
+
+def first_fit(sc: dict, rank: int) -> tuple[Trainer, Model, dict[int, list[int]]]:
+    """The first ``fit()``; with ``resume_at`` k: a fit saving after every batch, then a fresh trainer loaded from
+    the checkpoint after batch k fits to the end (the steps before k are the first run's)."""
+    if sc.get('resume_at') is None:
+        trainer, model, steps = build(sc, rank)
+        trainer.fit()
+        return trainer, model, steps.steps
+    folder = folder_for(sc)
+    save = dict(save_folder=folder, save_interval='1ba', save_overwrite=True, save_num_checkpoints_to_keep=-1)
+    trainer, _, before = build(sc, rank, **save)
+    trainer.fit()
+    trainer.close()
+    (path,) = glob.glob(os.path.join(folder, f'ep*-ba{sc["resume_at"]}-rank0.pt'))
+    trainer, model, steps = build(sc, rank, load_path=path)
+    trainer.fit()
+    merged = {t: ids for t, ids in before.steps.items() if t < sc['resume_at']}
+    merged.update(steps.steps)
+    steps.steps = merged  # the later fits of this trainer add to it
+    return trainer, model, steps.steps
 
 
 def run(sc: dict) -> dict[str, Any]:
@@ -283,9 +340,9 @@ def run(sc: dict) -> dict[str, Any]:
     rank = dist.get_global_rank()
     assert dist.get_world_size() == sc['world'], (dist.get_world_size(), sc['world'])
     out: dict[str, Any] = {'error': None}
-    trainer, model, steps = build(sc, rank)
+    trainer: Optional[Trainer] = None
     try:
-        trainer.fit()
+        trainer, model, steps = first_fit(sc, rank)
         if sc.get('refit'):
             trainer.fit(duration='1ep')
         if sc.get('eval') in ('own', 'both'):
@@ -303,15 +360,13 @@ def run(sc: dict) -> dict[str, Any]:
         if sc.get('predict_shards') is not None:
             predicted = trainer.predict(eval_spec(sc, rank, 70, sc['predict_shards'], sc['batch']), return_outputs=True)
             out['predictions'] = torch.cat([o.cpu() for o in predicted]) if predicted else torch.zeros(0, ref.CLASSES)
-    except Exception as e:  # the checker decides whether the scenario predicted it
-        out['error'] = (type(e).__name__, str(e)[:2000])
-    finally:
+        ts = trainer.state.timestamp
+        out.update(state=full_state(trainer, model, sc), steps=steps, batch=int(ts.batch), sample=int(ts.sample))
         trainer.close()
-    ts = trainer.state.timestamp
-    out.update(
-        state={k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()},
-        steps=steps.steps,
-        batch=int(ts.batch),
-        sample=int(ts.sample),
-    )
+    except Exception as e:  # the checker decides whether the scenario predicted it (a rank that raised is not
+        out['error'] = (type(e).__name__, str(e)[:2000])  # closed: its barrier would hide the error)
+    if sc.get('resume_at') is not None and out['error'] is None:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder_for(sc), ignore_errors=True)
     return out

@@ -19,10 +19,13 @@ Drawn now:
   algorithm), ``mode='shadow'``/``'rebalance'``, both ``divide_by_initial_world_size``, durations in epochs,
   batches or samples;
 * life: evaluation with the Trainer's own loader and with a passed one (accuracy, a per-sample mean loss and a
-  list-state metric of the ids seen), ``predict()``, a second ``fit()``.
+  list-state metric of the ids seen), ``predict()``, a second ``fit()``;
 
-Not yet drawn: FSDP1/FSDP2, durations in tokens, ``shadow_forward`` modules, checkpoint resumption (same or another
-world size), an exception at a random event, one UnevenJoin in two Trainers, a second ``eval()`` before ``fit``.
+* wrappers: DDP, FSDP1, FSDP2 (``wrapper``; on CPU with ``tests/scenarios_fsdp.py``'s gloo workarounds);
+* life: a checkpoint after a random step of the first fit, resumed on the same world size (``resume_at``).
+
+Not yet drawn: durations in tokens, ``shadow_forward`` modules, resumption on another world size, an exception at a
+random event, one UnevenJoin in two Trainers, a ``len()`` that miscounts under rebalancing.
 
 A scenario passes when: every rank's parameters are within :data:`TOL` of the reference's, every rank holds the
 same state (parameters and buffers), each step trained exactly the reference's samples (so every id as often as
@@ -103,6 +106,8 @@ def draw(seed: int) -> dict[str, Any]:
     if unit != 'ep':  # set from the data in normalize (a fraction of two epochs)
         sc['duration'] = [rng.random(), unit]
     sc['refit'] = rng.random() < 0.2
+    sc['wrapper'] = rng.choice([None] * 6 + ['fsdp1', 'fsdp2'])
+    sc['resume_at'] = rng.random() if rng.random() < 0.15 else None  # a fraction of the first fit's steps
     sc['eval'] = rng.choice([None, None, 'own', 'passed', 'both'])
     sc['eval_batch'] = rng.randint(1, 5)
     sc['eval_shards'] = _sizes(rng, world, sc['eval_batch'])
@@ -134,8 +139,20 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         sc['duration'] = [sc['duration'][0] if sc['duration'][1] == 'ep' else 1, 'ep']
     if sc['source'] == 'nolen' and sc['duration'][1] == 'ep':
         sc['duration'] = [0.5, 'ba']
+    if sc.get('wrapper'):  # FSDP: no DDP options; no frozen layer in a flat parameter, no sparse gradients
+        sc.update(sync=None, find_unused=False, static_graph=False)
+        if sc['model'] in ('frozen', 'sparse', 'bn'):
+            sc['model'] = 'mlp'
+    if sc.get('static_graph') and sc['model'] in ('branch', 'sparse'):
+        sc['static_graph'] = False
+    if sc.get('static_graph'):  # docs/limits.md: only multi_auto_sync, and step 0 alike everywhere
+        sc.update(sync='multi_auto_sync', microbatch=None, find_unused=False)
+    if sc['model'] == 'branch' and not sc.get('wrapper'):  # DDP needs find_unused_parameters for it (stock too)
+        sc['find_unused'] = True
     if sc['model'] != 'deep':
         sc.pop('ckpt', None)
+    elif sc.get('ckpt') == 'reentrant' and sc.get('find_unused'):  # DDP raises there, stock too (shadow-steps.md)
+        sc['ckpt'] = 'non_reentrant'
     if sc['model'] == 'sparse':
         sc['optimizer'] = 'sparseadam'
         sc['clip'] = False
@@ -143,10 +160,6 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         sc['optimizer'] = 'sgd'
     if sc.get('microbatch') is not None and sc['microbatch'] >= batch * (2 if sc.get('transform') == 'views' else 1):
         sc['microbatch'] = None
-    if sc.get('static_graph'):  # docs/limits.md: only multi_auto_sync, and step 0 alike everywhere
-        sc.update(sync='multi_auto_sync', microbatch=None, find_unused=False)
-        if sc['model'] in ('branch', 'sparse'):
-            sc['static_graph'] = False
     if not sc.get('eval'):
         for k in ('eval', 'eval_batch', 'eval_shards', 'eval_microbatch'):
             sc.pop(k, None)
@@ -158,6 +171,11 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         steps = ref.epoch_steps(sc, 0)
         total = len(steps) if sc['duration'][1] == 'ba' else sum(len(s) for st in steps for s in st if s)
         sc['duration'] = [max(1, math.ceil(sc['duration'][0] * 2 * total)), sc['duration'][1]]
+    if sc.get('resume_at') is not None:  # a fraction of the first fit's steps, made a step in [1, steps - 1]
+        first = len(ref.planned_steps({**sc, 'refit': False}))
+        at = sc['resume_at']
+        at = max(1, math.floor(at * first)) if isinstance(at, float) else at
+        sc['resume_at'] = at if 1 <= at < first and sc['source'] not in ('over', 'under') else None
     if sc['model'] == 'bn' and _tiny_microbatch(sc):  # BatchNorm cannot train a microbatch of one sample
         sc['model'] = 'mlp'
     for k in [k for k, v in sc.items() if (v is None or v is False) and k != 'divide']:
@@ -292,20 +310,25 @@ def run_launch(world: int, scs: list[dict]) -> list[list[str]]:
     return out
 
 
-def run_many(scs: list[dict], chunk: int = CHUNK, confirm: bool = True) -> list[list[str]]:
+def run_many(scs: list[dict], chunk: int = CHUNK, confirm: bool = True, log=None) -> list[list[str]]:
     """Problems per scenario; scenarios of a world size share launches of ``chunk``. A scenario that failed in a
-    shared launch is run again alone (``confirm``): a hang poisons the scenarios after it."""
+    shared launch is run again alone (``confirm``): a hang poisons the scenarios after it. ``log``: a line per launch."""
     problems: list[list[str]] = [[] for _ in scs]
     for world in sorted({sc['world'] for sc in scs}):
         idx = [i for i, sc in enumerate(scs) if sc['world'] == world]
         for k in range(0, len(idx), chunk):
-            part = idx[k : k + chunk]
+            part, started = idx[k : k + chunk], time.monotonic()
             for i, p in zip(part, run_launch(world, [scs[i] for i in part])):
                 problems[i] = p
+            if log is not None:
+                failed = [scs[i].get('seed', i) for i in part if problems[i]]
+                log(f'  {len(part)} scenarios on {world} ranks in {time.monotonic() - started:.0f} s; failed: {failed}')
     if confirm:
         for i, sc in enumerate(scs):
             if problems[i] and sum(1 for sc2 in scs if sc2['world'] == sc['world']) > 1:
                 problems[i] = run_launch(sc['world'], [sc])[0]
+                if log is not None:
+                    log(f'  alone: {sc.get("seed", i)} {"fails" if problems[i] else "passes"}')
     return problems
 
 
@@ -322,6 +345,8 @@ def simplifications(sc: dict) -> list[dict]:
         'refit': None,
         'eval': None,
         'predict_shards': None,
+        'resume_at': None,
+        'wrapper': None,
         'workers': None,
         'fmt': None,
         'microbatch': None,
@@ -413,7 +438,7 @@ def fuzz(seed: int, n: int, do_shrink: bool = True, log=print) -> list[dict]:
     """Seeds ``seed .. seed + n - 1``; the failures (each with its problems and, shrunk, its smallest form)."""
     scs = [draw(s) for s in range(seed, seed + n)]
     started = time.monotonic()
-    problems = run_many(scs)
+    problems = run_many(scs, log=lambda line: log(line, flush=True))
     failures = []
     for sc, p in zip(scs, problems):
         if p:

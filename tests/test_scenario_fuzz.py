@@ -61,11 +61,20 @@ FEATURES: list[dict] = [
     {'eval': 'both', 'eval_batch': 2, 'eval_shards': [5, 5], 'eval_microbatch': 1},
     {'eval': 'own', 'eval_batch': 4, 'eval_shards': [3, 3]},
     {'predict_shards': [4, 4]},
+    {'resume_at': 3},
+    {'resume_at': 2, 'source': 'exact', 'map_size': 12, 'shuffle': True, 'optimizer': 'adam'},
+    {'wrapper': 'fsdp1', 'microbatch': 2},
+    {'wrapper': 'fsdp2', 'microbatch': 2, 'eval': 'own', 'eval_batch': 2, 'eval_shards': [4, 4]},
+    {'wrapper': 'fsdp2', 'model': 'deep', 'ckpt': 'non_reentrant', 'clip': True, 'predict_shards': [2, 2]},
+    {'wrapper': 'fsdp1', 'model': 'branch', 'optimizer': 'adam', 'resume_at': 2},
+    {'world': 3, 'shards': [6, 6, 6], 'mode': 'rebalance', 'eval': 'passed', 'eval_batch': 2, 'eval_shards': [2, 2, 2]},
 ]
 
 
 def even(features: dict) -> dict:
-    return fuzz.normalize({**BASE, **features})
+    sc = fuzz.normalize({**BASE, **features})
+    assert all(sc.get(k) == v for k, v in features.items() if k != 'mode' or v != 'shadow'), (features, sc)
+    return sc
 
 
 def test_reference_imports_no_composer_join():

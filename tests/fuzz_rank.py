@@ -249,9 +249,10 @@ def parallelism(sc: dict) -> Optional[dict]:
     from scenarios_fsdp import cpu_fsdp_workarounds
 
     cpu_fsdp_workarounds()
+    # sharded checkpoints, as tests/test_fsdp.py resumes them (FSDP1's full ones crash a rank on CPU, stock too)
     if sc['wrapper'] == 'fsdp2':
-        return {'fsdp': FSDP2Config()}
-    return {'fsdp': {'sharding_strategy': 'FULL_SHARD'}}
+        return {'fsdp': FSDP2Config(state_dict_type='sharded')}
+    return {'fsdp': {'sharding_strategy': 'FULL_SHARD', 'state_dict_type': 'sharded'}}
 
 
 def full_state(trainer: Trainer, model: Model, sc: dict) -> dict[str, torch.Tensor]:
@@ -326,7 +327,8 @@ def first_fit(sc: dict, rank: int) -> tuple[Trainer, Model, dict[int, list[int]]
     trainer, _, before = build(sc, rank, **save)
     trainer.fit()
     trainer.close()
-    (path,) = glob.glob(os.path.join(folder, f'ep*-ba{sc["resume_at"]}-rank0.pt'))
+    pattern = f'ep*-ba{sc["resume_at"]}' + ('' if sc.get('wrapper') else '-rank0.pt')  # FSDP: a sharded folder
+    (path,) = glob.glob(os.path.join(folder, pattern))
     trainer, model, steps = build(sc, rank, load_path=path)
     trainer.fit()
     merged = {t: ids for t, ids in before.steps.items() if t < sc['resume_at']}

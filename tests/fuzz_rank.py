@@ -231,6 +231,36 @@ class StepIds(Callback):
             ids.extend(int(i) for i in parts(state.batch)[2])
 
 
+RAISED = 'fuzz: raised at'
+STEP_EVENTS = ('epoch_start', 'batch_start', 'after_dataloader', 'before_forward')
+
+
+class Raiser(Callback):
+    """Raises once, on every rank, at ``event`` (at the first of ``STEP_EVENTS`` at or after global step ``step``);
+    the scenario then retries the call that raised, as a notebook does (docs/reliability.md, "A run that raises")."""
+
+    def __init__(self, event: str, step: int):
+        self.event, self.step, self.fired = event, step, False
+
+    def run_event(self, event, state, logger):
+        if self.fired or event.value != self.event:
+            return
+        if self.event in STEP_EVENTS and int(state.timestamp.batch) < self.step:
+            return
+        self.fired = True
+        raise RuntimeError(f'{RAISED} {self.event}, step {int(state.timestamp.batch)}')
+
+
+def retried(call):
+    """``call()``; once more if it raised the scenario's :class:`Raiser` error."""
+    try:
+        return call()
+    except RuntimeError as e:
+        if RAISED not in str(e):
+            raise
+        return call()
+
+
 def metrics_of(trainer: Trainer, label: str) -> dict[str, Any]:
     metrics = trainer.state.eval_metrics[label]
     return {
@@ -295,7 +325,7 @@ def build(sc: dict, rank: int, **checkpoint: Any) -> tuple[Trainer, Model, StepI
         max_duration=f'{value}{unit}',
         optimizers=ref.make_optimizer(sc, model.parameters()),
         algorithms=algorithms,
-        callbacks=[steps],
+        callbacks=([Raiser(*sc['raise_at'])] if sc.get('raise_at') else []) + [steps],  # a raise first: nothing recorded
         device=devices.trainer_device(),
         device_train_microbatch_size=sc.get('microbatch'),
         ddp_sync_strategy=sc.get('sync'),
@@ -320,17 +350,17 @@ def first_fit(sc: dict, rank: int) -> tuple[Trainer, Model, dict[int, list[int]]
     the checkpoint after batch k fits to the end (the steps before k are the first run's)."""
     if sc.get('resume_at') is None:
         trainer, model, steps = build(sc, rank)
-        trainer.fit()
+        retried(trainer.fit)
         return trainer, model, steps.steps
     folder = folder_for(sc)
     save = dict(save_folder=folder, save_interval='1ba', save_overwrite=True, save_num_checkpoints_to_keep=-1)
     trainer, _, before = build(sc, rank, **save)
-    trainer.fit()
+    retried(trainer.fit)
     trainer.close()
     pattern = f'ep*-ba{sc["resume_at"]}' + ('' if sc.get('wrapper') else '-rank0.pt')  # FSDP: a sharded folder
     (path,) = glob.glob(os.path.join(folder, pattern))
     trainer, model, steps = build(sc, rank, load_path=path)
-    trainer.fit()
+    retried(trainer.fit)
     merged = {t: ids for t, ids in before.steps.items() if t < sc['resume_at']}
     merged.update(steps.steps)
     steps.steps = merged  # the later fits of this trainer add to it
@@ -348,7 +378,7 @@ def run(sc: dict) -> dict[str, Any]:
         if sc.get('refit'):
             trainer.fit(duration='1ep')
         if sc.get('eval') in ('own', 'both'):
-            trainer.eval()
+            retried(trainer.eval)
             out['eval_own'] = metrics_of(trainer, 'eval')
         if sc.get('eval') in ('passed', 'both'):
             passed = Evaluator(
@@ -357,10 +387,11 @@ def run(sc: dict) -> dict[str, Any]:
                 metric_names=['MulticlassAccuracy', 'MeanLoss', 'ListIds'],
                 device_eval_microbatch_size=sc.get('eval_microbatch'),
             )
-            trainer.eval(eval_dataloader=passed)
+            retried(lambda: trainer.eval(eval_dataloader=passed))
             out['eval_passed'] = metrics_of(trainer, 'passed')
         if sc.get('predict_shards') is not None:
-            predicted = trainer.predict(eval_spec(sc, rank, 70, sc['predict_shards'], sc['batch']), return_outputs=True)
+            spec = eval_spec(sc, rank, 70, sc['predict_shards'], sc['batch'])
+            predicted = retried(lambda: trainer.predict(spec, return_outputs=True))
             out['predictions'] = torch.cat([o.cpu() for o in predicted]) if predicted else torch.zeros(0, ref.CLASSES)
         ts = trainer.state.timestamp
         out.update(state=full_state(trainer, model, sc), steps=steps, batch=int(ts.batch), sample=int(ts.sample))

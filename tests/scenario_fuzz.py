@@ -22,10 +22,13 @@ Drawn now:
   list-state metric of the ids seen), ``predict()``, a second ``fit()``;
 
 * wrappers: DDP, FSDP1, FSDP2 (``wrapper``; on CPU with ``tests/scenarios_fsdp.py``'s gloo workarounds);
-* life: a checkpoint after a random step of the first fit, resumed on the same world size (``resume_at``).
+* life: a checkpoint after a random step of the first fit, resumed on the same world size (``resume_at``); an
+  exception raised on every rank at a random event (``raise_at``: fit, epoch, batch start, after the dataloader,
+  before the forward at a random step; evaluation or predict start), the call then retried on the same trainer.
 
-Not yet drawn: durations in tokens, ``shadow_forward`` modules, resumption on another world size, an exception at a
-random event, one UnevenJoin in two Trainers, a ``len()`` that miscounts under rebalancing.
+Not yet drawn: durations in tokens, ``shadow_forward`` modules, resumption on another world size, an exception on
+only some ranks or inside the backward, one UnevenJoin in two Trainers, a ``len()`` that miscounts under
+rebalancing, automatic microbatching, a second ``eval()`` before any ``fit()``.
 
 A scenario passes when: every rank's parameters are within :data:`TOL` of the reference's, every rank holds the
 same state (parameters and buffers), each step trained exactly the reference's samples (so every id as often as
@@ -113,7 +116,13 @@ def draw(seed: int) -> dict[str, Any]:
     sc['eval_shards'] = _sizes(rng, world, sc['eval_batch'])
     sc['eval_microbatch'] = None if rng.random() < 0.5 else rng.randint(1, sc['eval_batch'])
     sc['predict_shards'] = _sizes(rng, world, batch) if rng.random() < 0.25 else None
+    # (new draws go last, so that a seed's earlier features stay what they were)
+    sc['raise_at'] = [rng.choice(RAISE_EVENTS), rng.random()] if rng.random() < 0.2 else None
     return normalize(sc)
+
+
+RAISE_EVENTS = ['fit_start', 'epoch_start', 'batch_start', 'after_dataloader', 'before_forward', 'eval_start']
+RAISE_EVENTS += ['predict_start']
 
 
 def normalize(sc: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +185,14 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         at = sc['resume_at']
         at = max(1, math.floor(at * first)) if isinstance(at, float) else at
         sc['resume_at'] = at if 1 <= at < first and sc['source'] not in ('over', 'under') else None
+    if sc.get('raise_at') is not None:  # an event on every rank, at a step of the first fit, retried once
+        event, at = sc['raise_at']
+        first = len(ref.planned_steps({**sc, 'refit': False}))
+        at = min(math.floor(at * first), first - 1) if isinstance(at, float) else at
+        needs = {'eval_start': sc.get('eval'), 'predict_start': sc.get('predict_shards') is not None}
+        ok = needs.get(event, True) and sc['source'] not in ('over', 'under')
+        sc['raise_at'] = [event, at if event in ('epoch_start', 'batch_start', 'after_dataloader', 'before_forward') else 0]
+        sc['raise_at'] = sc['raise_at'] if ok else None
     if sc['model'] == 'bn' and _tiny_microbatch(sc):  # BatchNorm cannot train a microbatch of one sample
         sc['model'] = 'mlp'
     for k in [k for k, v in sc.items() if (v is None or v is False) and k != 'divide']:
@@ -346,6 +363,7 @@ def simplifications(sc: dict) -> list[dict]:
         'eval': None,
         'predict_shards': None,
         'resume_at': None,
+        'raise_at': None,
         'wrapper': None,
         'workers': None,
         'fmt': None,

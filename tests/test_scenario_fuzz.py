@@ -67,6 +67,13 @@ FEATURES: list[dict] = [
     {'wrapper': 'fsdp2', 'microbatch': 2, 'eval': 'own', 'eval_batch': 2, 'eval_shards': [4, 4]},
     {'wrapper': 'fsdp2', 'model': 'deep', 'ckpt': 'non_reentrant', 'clip': True, 'predict_shards': [2, 2]},
     {'wrapper': 'fsdp1', 'model': 'branch', 'optimizer': 'adam', 'resume_at': 2},
+    {'raise_at': ['batch_start', 3]},
+    {'raise_at': ['before_forward', 2], 'microbatch': 2, 'sync': 'multi_auto_sync'},
+    {'raise_at': ['epoch_start', 2], 'source': 'exact', 'map_size': 12, 'shuffle': True},
+    {'raise_at': ['fit_start', 0], 'optimizer': 'adam'},
+    {'raise_at': ['after_dataloader', 1], 'transform': 'views'},
+    {'raise_at': ['eval_start', 0], 'eval': 'both', 'eval_batch': 2, 'eval_shards': [3, 3]},
+    {'raise_at': ['predict_start', 0], 'predict_shards': [2, 2]},
     {'world': 3, 'shards': [6, 6, 6], 'mode': 'rebalance', 'eval': 'passed', 'eval_batch': 2, 'eval_shards': [2, 2, 2]},
 ]
 

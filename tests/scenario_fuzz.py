@@ -229,6 +229,14 @@ def predicted_error(sc: dict) -> Optional[str]:
     return None
 
 
+def known_failure(sc: dict) -> Optional[str]:
+    """The known bug (``tests/fuzz_regressions.json``) a scenario runs into, or None: the CI slice leaves such
+    scenarios out (their regression entries are strict xfails), long runs report them apart."""
+    if sc['source'] == 'under' and all(n <= sc['batch'] for n in sc['shards']) and sum(sc['shards']) > 0:
+        return 'every-len-zero'  # every len() is 0 while some rank yields a batch: nothing trained, nothing raised
+    return None
+
+
 # ----------------------------------------------------------------------------------------------- the checker
 def check(sc: dict, per_rank: list[Any]) -> list[str]:
     """What is wrong with the ranks' results for ``sc`` (empty: it passed)."""
@@ -459,14 +467,18 @@ def fuzz(seed: int, n: int, do_shrink: bool = True, log=print) -> list[dict]:
     problems = run_many(scs, log=lambda line: log(line, flush=True))
     failures = []
     for sc, p in zip(scs, problems):
-        if p:
+        if p and known_failure(sc):
+            log(f'known failure {known_failure(sc)}: seed {sc["seed"]}')
+        elif p:
             log(f'FAILED seed {sc["seed"]}: {p[:3]}\n  reproduce: {reproduce(sc)}')
             failure = {'scenario': sc, 'problems': p}
             if do_shrink:
                 failure['shrunk'] = shrink(sc, log=log)
                 log(f'  smallest: {reproduce(failure["shrunk"])}')
             failures.append(failure)
-    log(f'{n} scenarios from seed {seed}: {n - len(failures)} passed, {len(failures)} failed '
+    known = sum(1 for sc, p in zip(scs, problems) if p and known_failure(sc))
+    log(f'{n} scenarios from seed {seed}: {n - len(failures) - known} passed, {known} known failures, '
+        f'{len(failures)} new failures '
         f'({time.monotonic() - started:.0f} s)')
     return failures
 

@@ -325,7 +325,8 @@ def build(sc: dict, rank: int, **checkpoint: Any) -> tuple[Trainer, Model, StepI
         max_duration=f'{value}{unit}',
         optimizers=ref.make_optimizer(sc, model.parameters()),
         algorithms=algorithms,
-        callbacks=([Raiser(*sc['raise_at'])] if sc.get('raise_at') else []) + [steps],  # a raise first: nothing recorded
+        callbacks=([Raiser(*sc['raise_at'])] if sc.get('raise_at') else [])
+        + [steps],  # a raise first: nothing recorded
         device=devices.trainer_device(),
         device_train_microbatch_size=sc.get('microbatch'),
         ddp_sync_strategy=sc.get('sync'),

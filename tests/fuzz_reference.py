@@ -42,7 +42,9 @@ Sample = tuple[int, int]  # (id, view): view 1 is the mirrored copy the 'views' 
 def pool(group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pool ``group``'s features (float64) and labels."""
     g = torch.Generator().manual_seed(100 + group)
-    return torch.randn(POOL, FEATURES, generator=g, dtype=torch.float64), torch.randint(0, CLASSES, (POOL,), generator=g)
+    return torch.randn(POOL, FEATURES, generator=g, dtype=torch.float64), torch.randint(
+        0, CLASSES, (POOL,), generator=g
+    )
 
 
 _POOLS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -191,7 +191,10 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         at = min(math.floor(at * first), first - 1) if isinstance(at, float) else at
         needs = {'eval_start': sc.get('eval'), 'predict_start': sc.get('predict_shards') is not None}
         ok = needs.get(event, True) and sc['source'] not in ('over', 'under')
-        sc['raise_at'] = [event, at if event in ('epoch_start', 'batch_start', 'after_dataloader', 'before_forward') else 0]
+        sc['raise_at'] = [
+            event,
+            at if event in ('epoch_start', 'batch_start', 'after_dataloader', 'before_forward') else 0,
+        ]
         sc['raise_at'] = sc['raise_at'] if ok else None
     if sc['model'] == 'bn' and _tiny_microbatch(sc):  # BatchNorm cannot train a microbatch of one sample
         sc['model'] = 'mlp'
@@ -330,7 +333,7 @@ def run_launch(world: int, scs: list[dict]) -> list[list[str]]:
     for i, sc in enumerate(scs):
         try:
             out.append(check(sc, results[f's{i}']))
-        except Exception as e:  # noqa: BLE001 (a checker crash is a failure to look at)
+        except Exception as e:  # a checker crash is a failure to look at
             out.append([f'checker raised {type(e).__name__}: {e}'])
     return out
 
@@ -418,7 +421,7 @@ def simplifications(sc: dict) -> list[dict]:
     for cand in out:
         try:
             cand = normalize(cand)
-        except Exception:  # noqa: BLE001 (a simplification that makes no scenario is skipped)
+        except Exception:  # a simplification that makes no scenario is skipped
             continue
         key = json.dumps(cand, sort_keys=True)
         if key not in seen and _valid(cand):
@@ -433,9 +436,7 @@ def _valid(sc: dict) -> bool:
     )
 
 
-def shrink(
-    sc: dict, fails: Optional[Callable[[list[dict]], list[bool]]] = None, rounds: int = 30, log=print
-) -> dict:
+def shrink(sc: dict, fails: Optional[Callable[[list[dict]], list[bool]]] = None, rounds: int = 30, log=print) -> dict:
     """The smallest failing scenario found by dropping features one at a time while it still fails. ``fails`` runs
     candidates (default: on real ranks, all candidates of a round in one launch per world size, the one kept
     confirmed alone)."""
@@ -477,9 +478,11 @@ def fuzz(seed: int, n: int, do_shrink: bool = True, log=print) -> list[dict]:
                 log(f'  smallest: {reproduce(failure["shrunk"])}')
             failures.append(failure)
     known = sum(1 for sc, p in zip(scs, problems) if p and known_failure(sc))
-    log(f'{n} scenarios from seed {seed}: {n - len(failures) - known} passed, {known} known failures, '
+    log(
+        f'{n} scenarios from seed {seed}: {n - len(failures) - known} passed, {known} known failures, '
         f'{len(failures)} new failures '
-        f'({time.monotonic() - started:.0f} s)')
+        f'({time.monotonic() - started:.0f} s)'
+    )
     return failures
 
 

@@ -445,13 +445,38 @@ def shrink(sc: dict, fails: Optional[Callable[[list[dict]], list[bool]]] = None,
         cands = simplifications(sc)
         if not cands:
             break
-        flags = fails(cands)
-        kept = next((c for c, f in zip(cands, flags) if f and fails([c])[0]), None)
-        if kept is None:
-            break
-        sc = kept
+        failing = [c for c, f in zip(cands, fails(cands)) if f]
+        merged = _merge(sc, failing) if len(failing) > 1 else None
+        if merged is not None and fails([merged])[0]:  # every failing simplification at once: a big step
+            sc = merged
+        else:
+            kept = next((c for c in failing if fails([c])[0]), None)  # else the first that fails alone
+            if kept is None:
+                break
+            sc = kept
         log(f'  still fails: {json.dumps(sc)}')
     return sc
+
+
+def _merge(sc: dict, cands: list[dict]) -> Optional[dict]:
+    """``sc`` with the changes of every one of ``cands`` applied (normalized), or None if that makes no scenario."""
+    out = dict(sc)
+    for cand in cands:
+        for key in set(sc) | set(cand):
+            if cand.get(key) != sc.get(key):
+                if key in cand:
+                    out[key] = cand[key]
+                else:
+                    out.pop(key, None)
+    if out.get('world') == 2:  # a dropped rank: per-rank lists of two
+        for key in ('shards', 'eval_shards', 'predict_shards'):
+            if out.get(key) is not None:
+                out[key] = out[key][:2]
+    try:
+        out = normalize(out)
+    except Exception:  # changes that make no scenario together
+        return None
+    return out if _valid(out) and out != sc else None
 
 
 # ----------------------------------------------------------------------------------------------- the command line

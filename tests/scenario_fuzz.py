@@ -237,6 +237,13 @@ def known_failure(sc: dict) -> Optional[str]:
     scenarios out (their regression entries are strict xfails), long runs report them apart."""
     if sc['source'] == 'under' and all(n <= sc['batch'] for n in sc['shards']) and sum(sc['shards']) > 0:
         return 'every-len-zero'  # every len() is 0 while some rank yields a batch: nothing trained, nothing raised
+    # found, not yet shrunk nor analysed: coarse signatures, wider than the bugs (each a regression entry)
+    if sc['model'] == 'bn' and sc.get('transform') == 'views':
+        return 'bn-views-sp'
+    if sc.get('wrapper') == 'fsdp2' and sc['model'] == 'branch':
+        return 'fsdp2-branch'
+    if sc['model'] == 'sparse' and sc.get('resume_at') is not None:
+        return 'sparse-resume'
     return None
 
 

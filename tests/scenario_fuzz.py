@@ -461,7 +461,7 @@ def shrink(sc: dict, fails: Optional[Callable[[list[dict]], list[bool]]] = None,
             if kept is None:
                 break
             sc = kept
-        log(f'  still fails: {json.dumps(sc)}')
+        log(f'  still fails: {json.dumps(sc)}', flush=True)
     return sc
 
 
@@ -528,9 +528,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.scenario:
         sc = normalize(json.loads(args.scenario))
-        print(json.dumps(sc))
+        print(json.dumps(sc), flush=True)
         problems = run_many([sc])[0]
-        print('\n'.join(problems) or 'passed')
+        print('\n'.join(problems) or 'passed', flush=True)
         if problems and not args.no_shrink:
             print(f'smallest: {reproduce(shrink(sc))}')
         return 1 if problems else 0

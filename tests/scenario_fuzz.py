@@ -189,7 +189,9 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         event, at = sc['raise_at']
         first = len(ref.planned_steps({**sc, 'refit': False}))
         at = min(math.floor(at * first), first - 1) if isinstance(at, float) else at
-        needs = {'eval_start': sc.get('eval'), 'predict_start': sc.get('predict_shards') is not None}
+        # eval_start: only a passed evaluation's (a raise at the Trainer's own evaluation inside fit(), retried,
+        # has stock Composer train the next steps on the eval loader: found by the stock validation)
+        needs = {'eval_start': sc.get('eval') == 'passed', 'predict_start': sc.get('predict_shards') is not None}
         ok = needs.get(event, True) and sc['source'] not in ('over', 'under')
         sc['raise_at'] = [
             event,

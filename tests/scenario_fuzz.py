@@ -150,7 +150,9 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         sc['duration'] = [0.5, 'ba']
     if sc.get('wrapper'):  # FSDP: no DDP options; no frozen layer in a flat parameter, no sparse gradients
         sc.update(sync=None, find_unused=False, static_graph=False)
-        if sc['model'] in ('frozen', 'sparse', 'bn'):
+        # and no head only some samples use: FSDP has no find_unused_parameters, UnevenJoin raises by design
+        # when ranks' microbatches use different parameters (seeds 1026, 1038)
+        if sc['model'] in ('frozen', 'sparse', 'bn', 'branch'):
             sc['model'] = 'mlp'
     if sc.get('static_graph') and sc['model'] in ('branch', 'sparse'):
         sc['static_graph'] = False
@@ -242,8 +244,6 @@ def known_failure(sc: dict) -> Optional[str]:
     # found, not yet shrunk nor analysed: coarse signatures, wider than the bugs (each a regression entry)
     if sc['model'] == 'bn' and sc.get('transform') == 'views':
         return 'bn-views-sp'
-    if sc.get('wrapper') == 'fsdp2' and sc['model'] == 'branch':
-        return 'fsdp2-branch'
     if sc['model'] == 'sparse' and sc.get('resume_at') is not None:
         return 'sparse-resume'
     return None

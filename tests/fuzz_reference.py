@@ -81,7 +81,8 @@ class Net(torch.nn.Module):
         if kind == 'sparse':
             self.emb = torch.nn.Embedding(VOCAB, CLASSES, sparse=True)
             return
-        self.inp = torch.nn.Linear(FEATURES, 8)
+        # no bias before BatchNorm: its true gradient is 0, and Adam would turn float noise there into steps of lr
+        self.inp = torch.nn.Linear(FEATURES, 8, bias=kind != 'bn')
         self.norm = torch.nn.BatchNorm1d(8) if kind == 'bn' else torch.nn.Identity()
         if kind == 'deep':
             self.block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))

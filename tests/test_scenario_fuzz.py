@@ -66,7 +66,7 @@ FEATURES: list[dict] = [
     {'wrapper': 'fsdp1', 'microbatch': 2},
     {'wrapper': 'fsdp2', 'microbatch': 2, 'eval': 'own', 'eval_batch': 2, 'eval_shards': [4, 4]},
     {'wrapper': 'fsdp2', 'model': 'deep', 'ckpt': 'non_reentrant', 'clip': True, 'predict_shards': [2, 2]},
-    {'wrapper': 'fsdp1', 'model': 'branch', 'optimizer': 'adam', 'resume_at': 2},
+    {'wrapper': 'fsdp1', 'model': 'deep', 'optimizer': 'adam', 'resume_at': 2},
     {'raise_at': ['batch_start', 3]},
     {'raise_at': ['before_forward', 2], 'microbatch': 2, 'sync': 'multi_auto_sync'},
     {'raise_at': ['epoch_start', 2], 'source': 'exact', 'map_size': 12, 'shuffle': True},

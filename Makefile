@@ -10,7 +10,7 @@ PYTHON ?= python3
 PIP := $(VENV)/bin/pip --disable-pip-version-check
 ALL_EXTRAS := test,composer-tests,examples,bench,llmfoundry,docs,lint,package
 
-.PHONY: demo test test-detail test-failover test-composer test-torch26 lint format docs bench fuzz llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
+.PHONY: demo test test-detail test-failover test-composer test-torch26 lint format docs bench fuzz fuzz-scenarios fuzz-hypothesis llmfoundry test-llmfoundry test-gpu bench-gpu wheel clean
 
 demo: $(VENV)/.installed-core
 	$(VENV)/bin/composer -n 2 examples/demo.py
@@ -61,7 +61,17 @@ docs: $(VENV)/.installed-docs   # the site, into docs/_build/html (warnings are 
 bench: $(VENV)/.installed-bench
 	$(VENV)/bin/python benchmarks/run.py
 
-fuzz: $(VENV)/.installed-test   # hypothesis: 750 random uneven runs (DDP, FSDP, rebalancing, evaluation) against the reference (~4 min)
+# The scenario fuzzer (tests/scenario_fuzz.py): N scenarios drawn from every documented feature from seed SEED (default:
+# from the clock; the seed is printed first), each run on 2-3 real ranks against tests/fuzz_reference.py; failures are
+# confirmed alone, shrunk, and printed as one command each. About 4 s per scenario on 2 cores. Then the hypothesis fuzz.
+N ?= 200
+SEED ?=
+fuzz: fuzz-scenarios fuzz-hypothesis
+
+fuzz-scenarios: $(VENV)/.installed-test
+	PYTHONPATH=. $(VENV)/bin/python tests/scenario_fuzz.py --n $(N) $(if $(SEED),--seed $(SEED))
+
+fuzz-hypothesis: $(VENV)/.installed-test   # hypothesis: 750 random uneven runs (DDP, FSDP, rebalancing, evaluation) against the reference (~4 min)
 	COMPOSER_JOIN_FUZZ=1 $(VENV)/bin/pytest tests/test_random_unevenness.py
 
 llmfoundry: $(VENV)/.installed-llmfoundry   # the llm-foundry example (docs/integrations.md): a tiny MPT, offline

@@ -1,0 +1,291 @@
+"""The scenario fuzzer's independent reference: what a drawn scenario should train, in one process, plain torch.
+
+No ``composer_join`` and no Composer here (``tests/test_scenario_fuzz.py`` checks the imports): the rank side
+(``tests/fuzz_rank.py``) builds its data and models from this module, and this module replays what the scenario
+means, written from the documented semantics (docs/what-it-computes.md, docs/rebalancing.md):
+
+* every sample has an id, and an id alone gives its features and label (:func:`sample`): id ``1000 * g + i`` is
+  sample ``i`` of the fixed pool ``g`` (train shards: ``g = rank``; a map-style dataset: ``g = 7``; eval shards
+  ``50 + rank``; predict shards ``70 + rank``);
+* each rank's loader yields, per epoch, its ids in order (a shard; or torch's ``DistributedSampler`` shard, or an
+  exact strided shard of a permutation seeded ``seed + epoch``), cut into batches, then ``batch_transforms``;
+* step ``t`` of an epoch: in ``mode='shadow'`` rank ``r`` trains its ``t``-th batch if it has one; in
+  ``mode='rebalance'`` the schedule of docs/rebalancing.md (own batches first, then donations from the rank with
+  most left, ties to the lowest rank, receivers in rank order);
+* the gradient of a step is the mean of the per-sample losses over its ``S_t`` real samples, times ``A_t / W``
+  (``divide``) or 1; gradient clipping (by norm) is applied to that gradient; then the optimizer steps;
+* durations in epochs, batches (steps) or samples (real ones: the run ends after the step that reaches them); a
+  second ``fit`` trains one more epoch.
+
+BatchNorm normalises each rank's microbatch by itself: the reference runs every microbatch's forward on its own,
+so trained parameters do not depend on running statistics (those are left to the ranks: evaluation is checked with
+rank 0's final state).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch.utils.data import DistributedSampler
+
+FEATURES, CLASSES, POOL, VOCAB = 6, 3, 200, 32
+SAMPLER_SEED = 3
+CLIP = 0.5
+Sample = tuple[int, int]  # (id, view): view 1 is the mirrored copy the 'views' transform adds
+
+
+def pool(group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool ``group``'s features (float64) and labels."""
+    g = torch.Generator().manual_seed(100 + group)
+    return torch.randn(POOL, FEATURES, generator=g, dtype=torch.float64), torch.randint(
+        0, CLASSES, (POOL,), generator=g
+    )
+
+
+_POOLS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def sample(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if i // 1000 not in _POOLS:
+        _POOLS[i // 1000] = pool(i // 1000)
+    x, y = _POOLS[i // 1000]
+    return x[i % 1000], y[i % 1000]
+
+
+def tensors(samples: list[Sample], sc: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features (float32, mirrored for view 1, halved by the microbatch transform) and labels of ``samples``."""
+    if not samples:
+        return torch.zeros(0, FEATURES), torch.zeros(0, dtype=torch.long)
+    x = torch.stack([sample(i)[0] for i, _ in samples]).float()
+    views = torch.tensor([v for _, v in samples], dtype=torch.bool)
+    x = torch.where(views[:, None], x.flip(-1), x)
+    if sc.get('mb_transform'):
+        x = x * 0.5
+    return x, torch.stack([sample(i)[1] for i, _ in samples])
+
+
+# ----------------------------------------------------------------------------------------------- models
+class Net(torch.nn.Module):
+    """Every drawn model: ``forward(x, y)``. ``kind``: mlp, branch (a head only label-0 samples use), bn,
+    deep (``ckpt``: None, 'reentrant', 'non_reentrant' activation checkpointing of its block), frozen (the first
+    layer does not train), sparse (an ``nn.Embedding(sparse=True)`` bag over tokens computed from the features)."""
+
+    def __init__(self, kind: str, ckpt: Optional[str] = None):
+        super().__init__()
+        self.kind, self.ckpt = kind, ckpt
+        if kind == 'sparse':
+            self.emb = torch.nn.Embedding(VOCAB, CLASSES, sparse=True)
+            return
+        # no bias before BatchNorm: its true gradient is 0, and Adam would turn float noise there into steps of lr
+        self.inp = torch.nn.Linear(FEATURES, 8, bias=kind != 'bn')
+        self.norm = torch.nn.BatchNorm1d(8) if kind == 'bn' else torch.nn.Identity()
+        if kind == 'deep':
+            self.block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+        self.out = torch.nn.Linear(8, CLASSES)
+        if kind == 'branch':
+            self.extra = torch.nn.Linear(FEATURES, CLASSES)
+        if kind == 'frozen':
+            self.inp.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.kind == 'sparse':
+            tokens = ((x[:, :3].clamp(-1.99, 1.99) + 2) * VOCAB / 4).long()
+            return self.emb(tokens).sum(1)
+        h = torch.tanh(self.norm(self.inp(x)))
+        if self.kind == 'deep':
+            if self.ckpt is None:
+                h = self.block(h)
+            else:
+                h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.ckpt == 'reentrant')
+            h = torch.tanh(h)
+        out = self.out(h)
+        if self.kind == 'branch':
+            chosen = (y == 0).nonzero().flatten()
+            if len(chosen):
+                out = out.index_add(0, chosen, self.extra(x[chosen]))
+        return out
+
+
+def make_model(sc: dict) -> Net:
+    torch.manual_seed(0)
+    return Net(sc.get('model', 'mlp'), sc.get('ckpt'))
+
+
+def make_optimizer(sc: dict, params) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    name = sc.get('optimizer', 'sgd')
+    if name == 'adam':
+        return torch.optim.Adam(params, lr=0.01)
+    if name == 'sparseadam':
+        return torch.optim.SparseAdam(params, lr=0.1)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+# ----------------------------------------------------------------------------------------------- data
+def exact_shard(n: int, world: int, rank: int, shuffle: bool, epoch: int) -> list[int]:
+    """Strided shard of ``range(n)`` (a permutation seeded ``SAMPLER_SEED + epoch`` if ``shuffle``), no padding."""
+    if shuffle:
+        g = torch.Generator().manual_seed(SAMPLER_SEED + epoch)
+        order = torch.randperm(n, generator=g).tolist()
+    else:
+        order = list(range(n))
+    return order[rank::world]
+
+
+def rank_ids(sc: dict, rank: int, epoch: int) -> list[int]:
+    """The ids rank ``rank``'s loader yields in epoch ``epoch``, in order."""
+    source, world = sc['source'], sc['world']
+    if source == 'exact':
+        return [7000 + i for i in exact_shard(sc['map_size'], world, rank, sc.get('shuffle', False), epoch)]
+    if source == 'torch':
+        sampler = DistributedSampler(
+            range(sc['map_size']), num_replicas=world, rank=rank, shuffle=sc.get('shuffle', False), seed=SAMPLER_SEED
+        )
+        sampler.set_epoch(epoch)
+        return [7000 + i for i in sampler]
+    return [1000 * rank + i for i in range(sc['shards'][rank])]
+
+
+def transform(batch: list[int], kind: Optional[str]) -> list[Sample]:
+    """``batch_transforms``: 'float' (a dtype change: no sample change here), 'drop' (the last sample of a batch of
+    two or more is dropped), 'views' (every sample twice, the second mirrored)."""
+    out = [(i, 0) for i in batch]
+    if kind == 'drop' and len(out) >= 2:
+        out = out[:-1]
+    if kind == 'views':
+        out = out + [(i, 1) for i in batch]
+    return out
+
+
+def rank_batches(sc: dict, rank: int, epoch: int) -> list[list[Sample]]:
+    ids, b = rank_ids(sc, rank, epoch), sc['batch']
+    return [transform(ids[k : k + b], sc.get('transform')) for k in range(0, len(ids), b)]
+
+
+def epoch_steps(sc: dict, epoch: int) -> list[list[Optional[list[Sample]]]]:
+    """Per step of the epoch, per rank, the samples it trains (None: it has none)."""
+    world = sc['world']
+    per_rank = [rank_batches(sc, r, epoch) for r in range(world)]
+    if sc.get('mode', 'shadow') != 'rebalance':
+        steps = max(len(b) for b in per_rank)
+        return [[b[t] if t < len(b) else None for b in per_rank] for t in range(steps)]
+    queues = [deque(b) for b in per_rank]
+    out = []
+    while any(queues):
+        step: list[Optional[list[Sample]]] = [q.popleft() if q else None for q in queues]
+        for r in range(world):
+            if step[r] is None:
+                donor = max(range(world), key=lambda d: (len(queues[d]), -d))
+                if queues[donor]:
+                    step[r] = queues[donor].popleft()
+        out.append(step)
+    return out
+
+
+def planned_steps(sc: dict) -> list[tuple[int, list[Optional[list[Sample]]]]]:
+    """Every step the run trains, with its epoch: the duration, then one more epoch if ``refit``."""
+    value, unit = sc['duration']
+    out: list[tuple[int, list[Optional[list[Sample]]]]] = []
+    samples, epoch = 0, 0
+    while True:
+        if unit == 'ep' and epoch == value:
+            break
+        steps = epoch_steps(sc, epoch)
+        for step in steps:
+            out.append((epoch, step))
+            samples += sum(len(s) for s in step if s)
+            if (unit == 'ba' and len(out) == value) or (unit == 'sp' and samples >= value):
+                break
+        else:
+            epoch += 1
+            continue
+        break
+    if sc.get('refit'):
+        out += [(epoch, step) for step in epoch_steps(sc, epoch)]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- training
+def step_loss(module: Net, sc: dict, step: list[Optional[list[Sample]]]) -> torch.Tensor:
+    """The step's loss: per-sample losses over its real samples summed (each microbatch run on its own), over S_t,
+    times A_t / W when ``divide``."""
+    parts = [s for s in step if s]
+    total = sum(len(s) for s in parts)
+    mb = sc.get('microbatch') or sc['batch'] * 4
+    loss = torch.zeros(())
+    for samples in parts:
+        for k in range(0, len(samples), mb):
+            x, y = tensors(samples[k : k + mb], sc)
+            loss = loss + F.cross_entropy(module(x, y), y, reduction='none').sum()
+    factor = len(parts) / sc['world'] if sc.get('divide', True) else 1.0
+    return loss / total * factor
+
+
+def train(sc: dict) -> dict[str, Any]:
+    """The parameters after the scenario's training, the steps (ids per rank), and what each epoch trained."""
+    module = make_model(sc)
+    module.train()
+    optimizer = make_optimizer(sc, module.parameters())
+    steps = planned_steps(sc)
+    for _, step in steps:
+        optimizer.zero_grad(set_to_none=True)
+        step_loss(module, sc, step).backward()
+        if sc.get('clip'):
+            torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], CLIP)
+        optimizer.step()
+    trained: dict[int, dict[int, int]] = {}
+    for epoch, step in steps:
+        for part in step:
+            for i, _ in part or []:
+                trained.setdefault(epoch, {})[i] = trained.setdefault(epoch, {}).get(i, 0) + 1
+    return {
+        'params': {n: p.detach().clone() for n, p in module.named_parameters()},
+        'steps': [[sorted(i for i, _ in s) if s else [] for s in step] for _, step in steps],
+        'samples': sum(len(s) for _, step in steps for s in step if s),
+        'trained': trained,
+    }
+
+
+def expected_counts(sc: dict, epoch: int) -> dict[int, int]:
+    """How often each id is in the scenario's data in ``epoch`` (transforms included): what an epoch must train."""
+    counts: dict[int, int] = {}
+    for r in range(sc['world']):
+        for batch in rank_batches(sc, r, epoch):
+            for i, _ in batch:
+                counts[i] = counts.get(i, 0) + 1
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------- eval, predict
+def eval_ids(sc: dict, rank: int, group: int = 50) -> list[int]:
+    return [1000 * (group + rank) + i for i in range(sc['eval_shards'][rank])]
+
+
+def outputs(state: dict[str, torch.Tensor], sc: dict, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the model with ``state`` (parameters and buffers) in eval mode on ``ids``, and the labels.
+    (Evaluation and prediction loaders only change the dtype, never the samples.)"""
+    module = make_model(sc)
+    module.load_state_dict(state)
+    module.eval()
+    x, y = tensors([(i, 0) for i in ids], {})
+    with torch.no_grad():
+        return module(x, y), y
+
+
+def evaluate(state: dict[str, torch.Tensor], sc: dict) -> dict[str, float]:
+    """Accuracy and mean per-sample loss over every rank's eval samples at once."""
+    out, y = outputs(state, sc, [i for r in range(sc['world']) for i in eval_ids(sc, r)])
+    return {
+        'accuracy': float((out.argmax(1) == y).float().mean()) if len(y) else math.nan,
+        'loss': float(F.cross_entropy(out, y)) if len(y) else math.nan,
+    }
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (a.keys(), b.keys())
+    return max(float((a[k].detach().double() - b[k].detach().double()).abs().max()) for k in a)

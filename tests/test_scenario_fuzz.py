@@ -1,0 +1,178 @@
+"""The scenario fuzzer (``tests/scenario_fuzz.py``) in the suite: its reference validated against stock Composer on
+even shards for every drawn feature, a slice of fresh seeds per run (the first seed printed), every seed that ever
+failed (``tests/fuzz_regressions.json``), and the generator's and shrinker's own contracts.
+
+``COMPOSER_JOIN_FUZZ_SEED`` fixes the slice's first seed (else it comes from the clock), ``COMPOSER_JOIN_FUZZ_SLICE``
+its size. Long runs: ``make fuzz N=500 SEED=...``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import fuzz_reference as ref
+import scenario_fuzz as fuzz
+
+HERE = Path(__file__).parent
+REGRESSIONS = json.loads((HERE / 'fuzz_regressions.json').read_text())
+SLICE = int(os.environ.get('COMPOSER_JOIN_FUZZ_SLICE', '10'))
+
+pytestmark = pytest.mark.timeout(900)
+
+BASE = {'world': 2, 'batch': 3, 'source': 'len', 'shards': [6, 6], 'duration': [2, 'ep'], 'stock': True}
+# One even scenario per drawn feature value: stock Composer (no UnevenJoin) must match the reference there.
+FEATURES: list[dict] = [
+    {},
+    {'source': 'nolen', 'duration': [3, 'ba']},
+    {'source': 'exact', 'map_size': 12, 'shuffle': True},
+    {'source': 'exact', 'map_size': 12},
+    {'source': 'torch', 'map_size': 11, 'shuffle': True},
+    {'workers': 2},
+    {'workers': 1, 'source': 'exact', 'map_size': 12},
+    {'fmt': 'dict'},
+    {'transform': 'float'},
+    {'transform': 'drop'},
+    {'transform': 'views', 'microbatch': 4},
+    {'mb_transform': True, 'microbatch': 2},
+    {'model': 'branch', 'find_unused': True, 'microbatch': 2},
+    {'model': 'bn', 'shards': [8, 8], 'batch': 4, 'microbatch': 2},
+    {'model': 'deep', 'ckpt': 'reentrant'},
+    {'model': 'deep', 'ckpt': 'non_reentrant', 'microbatch': 2},
+    {'model': 'deep'},
+    {'model': 'frozen'},
+    {'model': 'sparse', 'optimizer': 'sparseadam'},
+    {'sync': 'single_auto_sync', 'microbatch': 1},
+    {'sync': 'multi_auto_sync', 'microbatch': 2},
+    {'sync': 'forced_sync', 'microbatch': 2},
+    {'static_graph': True, 'sync': 'multi_auto_sync'},
+    {'optimizer': 'adam'},
+    {'clip': True},
+    {'mode': 'rebalance'},
+    {'divide': False},
+    {'duration': [3, 'ba']},
+    {'duration': [7, 'sp']},
+    {'duration': [1, 'ep'], 'refit': True},
+    {'eval': 'both', 'eval_batch': 2, 'eval_shards': [5, 5], 'eval_microbatch': 1},
+    {'eval': 'own', 'eval_batch': 4, 'eval_shards': [3, 3]},
+    {'predict_shards': [4, 4]},
+    {'resume_at': 3},
+    {'resume_at': 2, 'source': 'exact', 'map_size': 12, 'shuffle': True, 'optimizer': 'adam'},
+    {'wrapper': 'fsdp1', 'microbatch': 2},
+    {'wrapper': 'fsdp2', 'microbatch': 2, 'eval': 'own', 'eval_batch': 2, 'eval_shards': [4, 4]},
+    {'wrapper': 'fsdp2', 'model': 'deep', 'ckpt': 'non_reentrant', 'clip': True, 'predict_shards': [2, 2]},
+    {'wrapper': 'fsdp1', 'model': 'deep', 'optimizer': 'adam', 'resume_at': 2},
+    {'raise_at': ['batch_start', 3]},
+    {'raise_at': ['before_forward', 2], 'microbatch': 2, 'sync': 'multi_auto_sync'},
+    {'raise_at': ['epoch_start', 2], 'source': 'exact', 'map_size': 12, 'shuffle': True},
+    {'raise_at': ['fit_start', 0], 'optimizer': 'adam'},
+    {'raise_at': ['after_dataloader', 1], 'transform': 'views'},
+    {'raise_at': ['eval_start', 0], 'eval': 'passed', 'eval_batch': 2, 'eval_shards': [3, 3]},
+    {'raise_at': ['predict_start', 0], 'predict_shards': [2, 2]},
+    {'world': 3, 'shards': [6, 6, 6], 'mode': 'rebalance', 'eval': 'passed', 'eval_batch': 2, 'eval_shards': [2, 2, 2]},
+]
+
+
+def even(features: dict) -> dict:
+    sc = fuzz.normalize({**BASE, **features})
+    assert all(sc.get(k) == v for k, v in features.items() if k != 'mode' or v != 'shadow'), (features, sc)
+    return sc
+
+
+def test_reference_imports_no_composer_join():
+    tree = ast.parse((HERE / 'fuzz_reference.py').read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module or '' for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert names and all(n.split('.')[0] in {'__future__', 'math', 'collections', 'typing', 'torch'} for n in names)
+
+
+def test_draws_are_deterministic_json_and_normal():
+    for seed in range(200):
+        sc = fuzz.draw(seed)
+        assert fuzz.draw(seed) == sc == fuzz.normalize(sc) == json.loads(json.dumps(sc))
+        assert fuzz.reproduce(sc).endswith(f'--seed {seed}')
+    drawn = [fuzz.draw(seed) for seed in range(400)]
+    for key, values in {
+        'source': {'len', 'nolen', 'exact', 'torch', 'over', 'under'},
+        'model': {'mlp', 'branch', 'bn', 'deep', 'frozen', 'sparse'},
+        'transform': {'float', 'drop', 'views'},
+        'eval': {'own', 'passed', 'both'},
+    }.items():
+        assert {sc.get(key, 'mlp' if key == 'model' else None) for sc in drawn} >= values, key
+    assert {sc['duration'][1] for sc in drawn} == {'ep', 'ba', 'sp'}
+    assert any(0 in sc.get('shards', []) for sc in drawn) and any(sc['world'] == 3 for sc in drawn)
+
+
+def test_shrinker_drops_what_does_not_matter():
+    sc = fuzz.draw(next(s for s in range(100) if fuzz.draw(s)['world'] == 3 and fuzz.draw(s).get('transform')))
+    # a pretend bug: any scenario with a batch transform and a rank of more than 2 samples fails
+    fails = lambda cands: [c.get('transform') is not None and max(c.get('shards') or [9]) > 2 for c in cands]  # noqa: E731
+    small = fuzz.shrink(sc, fails=fails, rounds=100, log=lambda *a, **k: None)
+    assert small.get('transform') is not None and small['world'] == 2
+    assert not any(k in small for k in ('eval', 'clip', 'microbatch', 'predict_shards', 'workers', 'refit'))
+
+
+def test_reference_matches_stock_composer_on_even_shards():
+    """Every feature, stock Composer on even shards (where uneven training is plain DDP) against the reference."""
+    scs = [even(f) for f in FEATURES]
+    problems = fuzz.run_many(scs, chunk=len(scs), confirm=False)
+    failed = {json.dumps(sc): p for sc, p in zip(scs, problems) if p}
+    assert not failed, json.dumps(failed, indent=1)
+
+
+def test_a_slice_of_fresh_seeds():
+    seed = int(os.environ.get('COMPOSER_JOIN_FUZZ_SEED', str(int(time.time()) % 10**6)))
+    print(f'scenario fuzz slice: seeds {seed}..{seed + SLICE - 1} ({fuzz.COMMAND} --seed {seed} --n {SLICE})')
+    scs = [fuzz.draw(s) for s in range(seed, seed + SLICE)]
+    scs = [sc for sc in scs if not fuzz.known_failure(sc)]  # each is a strict xfail below
+    problems = fuzz.run_many(scs)
+    failed = [f'{fuzz.reproduce(sc)}\n  {p[:3]}' for sc, p in zip(scs, problems) if p]
+    assert not failed, 'failing seeds (add each to tests/fuzz_regressions.json):\n' + '\n'.join(failed)
+
+
+def _regression(entry: dict):
+    marks = [pytest.mark.xfail(strict=True, reason=entry['known_failure'])] if entry.get('known_failure') else []
+    return pytest.param(entry, marks=marks, id=str(entry.get('seed', entry.get('name'))))
+
+
+PASSING = [e for e in REGRESSIONS if not e.get('known_failure')]
+KNOWN = [e for e in REGRESSIONS if e.get('known_failure')]
+
+
+def scenario_of(entry: dict) -> dict:
+    return fuzz.normalize(entry['scenario']) if 'scenario' in entry else fuzz.draw(entry['seed'])
+
+
+@pytest.mark.skipif(not PASSING, reason='no fixed failures yet')
+def test_fixed_failures_stay_fixed():
+    scs = [scenario_of(e) for e in PASSING]
+    problems = fuzz.run_many(scs)
+    failed = [f'{fuzz.reproduce(sc)}: {p[:3]}' for sc, p in zip(scs, problems) if p]
+    assert not failed, '\n'.join(failed)
+
+
+@pytest.mark.parametrize('entry', [_regression(e) for e in KNOWN])
+def test_known_failures(entry):
+    sc = scenario_of(entry)
+    problems = fuzz.run_many([sc])[0]
+    assert not problems, f'{fuzz.reproduce(sc)}: {problems[:3]}'
+
+
+def test_known_failures_are_recognised():
+    for entry in KNOWN:
+        assert fuzz.known_failure(scenario_of(entry)) == entry['name']
+
+
+def test_reference_epochs_cover_the_data():
+    """The reference's own schedules (shadow and rebalance) train every id of an epoch as often as the data holds it."""
+    for seed in range(100):
+        sc = fuzz.draw(seed)
+        if sc['duration'][1] == 'ep':
+            trained = ref.train(sc)['trained']
+            for epoch in range(sc['duration'][0]):
+                assert trained.get(epoch, {}) == ref.expected_counts(sc, epoch), sc

@@ -239,8 +239,6 @@ def predicted_error(sc: dict) -> Optional[str]:
 def known_failure(sc: dict) -> Optional[str]:
     """The known bug (``tests/fuzz_regressions.json``) a scenario runs into, or None: the CI slice leaves such
     scenarios out (their regression entries are strict xfails), long runs report them apart."""
-    if sc['source'] == 'under' and all(n <= sc['batch'] for n in sc['shards']) and sum(sc['shards']) > 0:
-        return 'every-len-zero'  # every len() is 0 while some rank yields a batch: nothing trained, nothing raised
     # found, not yet shrunk nor analysed: coarse signatures, wider than the bugs (each a regression entry)
     if sc['model'] == 'bn' and sc.get('optimizer') == 'adam':
         return 'bn-adam'

@@ -130,7 +130,7 @@ DDP_BUFFERS = Collective(
     "DDP's buffers: DDP's broadcast, from the agreed buffer source",
     '`wrappers/ddp.py`',
     "DDP's own, before a synced forward (its hook names the source from the step plans); again at `FIT_END`, `EVAL_START` and where a checkpoint is saved, if DDP broadcasts buffers (DDP's setting)",
-    (('core/compat.py', '_default_broadcast_coalesced'),),
+    (('core/compat.py', 'broadcast_ddp_buffers'),),
 )
 
 DDP_SHADOW = Collective(

@@ -29,6 +29,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 import devices
 import fuzz_reference as ref
+from rank_scenarios import AsksForUnusedParameters
 
 
 class Stream(IterableDataset):
@@ -198,18 +199,14 @@ class Model(ComposerModel):
             metric.update(outputs, y)
 
 
-class AsksForUnusedParameters(Algorithm):
-    """Needs DDP's ``find_unused_parameters`` (Composer then defaults to multi_auto_sync)."""
-
-    @property
-    def find_unused_parameters(self) -> bool:
-        return True
-
-    def match(self, event, state):
-        return False
-
-    def apply(self, event, state, logger):
-        pass
+def make_evaluator(sc: dict, rank: int, label: str) -> Evaluator:
+    """An evaluator over this rank's eval shard (the Trainer's own, or one passed to ``eval()``)."""
+    return Evaluator(
+        label=label,
+        dataloader=eval_spec(sc, rank, 50, sc['eval_shards'], sc['eval_batch']),
+        metric_names=['MulticlassAccuracy', 'MeanLoss', 'ListIds'],
+        device_eval_microbatch_size=sc.get('eval_microbatch'),
+    )
 
 
 class StepIds(Callback):
@@ -310,12 +307,7 @@ def build(sc: dict, rank: int, **checkpoint: Any) -> tuple[Trainer, Model, StepI
         algorithms.append(AsksForUnusedParameters())
     evaluator: Optional[Evaluator] = None
     if sc.get('eval') in ('own', 'both'):
-        evaluator = Evaluator(
-            label='eval',
-            dataloader=eval_spec(sc, rank, 50, sc['eval_shards'], sc['eval_batch']),
-            metric_names=['MulticlassAccuracy', 'MeanLoss', 'ListIds'],
-            device_eval_microbatch_size=sc.get('eval_microbatch'),
-        )
+        evaluator = make_evaluator(sc, rank, 'eval')
     value, unit = sc['duration']
     trainer = Trainer(
         model=model,
@@ -382,12 +374,7 @@ def run(sc: dict) -> dict[str, Any]:
             retried(trainer.eval)
             out['eval_own'] = metrics_of(trainer, 'eval')
         if sc.get('eval') in ('passed', 'both'):
-            passed = Evaluator(
-                label='passed',
-                dataloader=eval_spec(sc, rank, 50, sc['eval_shards'], sc['eval_batch']),
-                metric_names=['MulticlassAccuracy', 'MeanLoss', 'ListIds'],
-                device_eval_microbatch_size=sc.get('eval_microbatch'),
-            )
+            passed = make_evaluator(sc, rank, 'passed')
             retried(lambda: trainer.eval(eval_dataloader=passed))
             out['eval_passed'] = metrics_of(trainer, 'passed')
         if sc.get('predict_shards') is not None:

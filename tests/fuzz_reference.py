@@ -216,7 +216,7 @@ def step_loss(module: Net, sc: dict, step: list[Optional[list[Sample]]]) -> torc
     times A_t / W when ``divide``."""
     parts = [s for s in step if s]
     total = sum(len(s) for s in parts)
-    mb = sc.get('microbatch') or sc['batch'] * 4
+    mb = sc.get('microbatch') or sc['batch']  # Composer's default: the dataloader's batch size (a 'views' batch: two)
     loss = torch.zeros(())
     for samples in parts:
         for k in range(0, len(samples), mb):

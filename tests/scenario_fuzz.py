@@ -64,6 +64,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fuzz_reference as ref
 
 TOL = 1e-6
+# Adam with BatchNorm: a direction whose true gradient is 0 (BatchNorm removes the mean) gets float noise, which Adam
+# turns into steps of its learning rate; stock Composer on even shards is 1.7e-6 from the reference there (seed 1012
+# made even): the float noise of two summation orders, not a difference of what is trained
+TOL_ADAM_BN = 1e-5
 CHUNK = 20  # scenarios per launch
 COMMAND = 'PYTHONPATH=. python tests/scenario_fuzz.py'
 
@@ -242,10 +246,8 @@ def predicted_error(sc: dict) -> Optional[str]:
 
 def known_failure(sc: dict) -> Optional[str]:
     """The known bug (``tests/fuzz_regressions.json``) a scenario runs into, or None: the CI slice leaves such
-    scenarios out (their regression entries are strict xfails), long runs report them apart."""
-    # found, not yet shrunk nor analysed: coarse signatures, wider than the bugs (each a regression entry)
-    if sc['model'] == 'bn' and sc.get('optimizer') == 'adam':
-        return 'bn-adam'
+    scenarios out (their regression entries are strict xfails), long runs report them apart. None known now: a new
+    one gets a signature here, coarse and wider than the bug, with its regression entry."""
     return None
 
 
@@ -271,7 +273,7 @@ def check(sc: dict, per_rank: list[Any]) -> list[str]:
     for rank, res in enumerate(per_rank):
         params = {k: res['state'][k] for k in names}
         diff = ref.max_abs_diff(params, want['params'])
-        if not diff < TOL:
+        if not diff < (TOL_ADAM_BN if sc['model'] == 'bn' and sc.get('optimizer') == 'adam' else TOL):
             problems.append(f'rank {rank} is {diff:.2e} from the reference')
         keys = names if sc.get('stock') else list(res['state'])  # stock Composer leaves BatchNorm buffers per rank
         if any(not torch.equal(res['state'][k], per_rank[0]['state'][k]) for k in keys):

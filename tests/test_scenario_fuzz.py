@@ -39,6 +39,9 @@ FEATURES: list[dict] = [
     {'transform': 'float'},
     {'transform': 'drop'},
     {'transform': 'views', 'microbatch': 4},
+    # Composer's default microbatch (the dataloader's batch size) splits a 'views' batch in two: BatchNorm sees each
+    {'transform': 'views', 'model': 'bn', 'shards': [8, 8], 'batch': 4},
+    {'model': 'bn', 'optimizer': 'adam', 'shards': [8, 8], 'batch': 4, 'transform': 'views', 'mb_transform': True},
     {'mb_transform': True, 'microbatch': 2},
     {'model': 'branch', 'find_unused': True, 'microbatch': 2},
     {'model': 'bn', 'shards': [8, 8], 'batch': 4, 'microbatch': 2},

@@ -64,10 +64,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fuzz_reference as ref
 
 TOL = 1e-6
-# Adam with BatchNorm: a direction whose true gradient is 0 (BatchNorm removes the mean) gets float noise, which Adam
-# turns into steps of its learning rate; stock Composer on even shards is 1.7e-6 from the reference there (seed 1012
-# made even): the float noise of two summation orders, not a difference of what is trained
-TOL_ADAM_BN = 1e-5
 CHUNK = 20  # scenarios per launch
 COMMAND = 'PYTHONPATH=. python tests/scenario_fuzz.py'
 
@@ -177,6 +173,11 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         sc['resume_at'] = None
     elif sc.get('optimizer') == 'sparseadam':
         sc['optimizer'] = 'sgd'
+    if sc['model'] == 'bn' and sc.get('optimizer') == 'adam':
+        # a direction whose true gradient is 0 (BatchNorm removes the mean) carries float noise, which Adam turns into
+        # steps of its learning rate: stock Composer on even shards is 1.7e-6 to 3.1e-5 from the reference there
+        # (seeds 1012, 647676 made even), so the comparison cannot tell a bug; SGD with momentum shows one
+        sc['optimizer'] = 'sgd'
     if sc.get('microbatch') is not None and sc['microbatch'] >= batch * (2 if sc.get('transform') == 'views' else 1):
         sc['microbatch'] = None
     if not sc.get('eval'):
@@ -273,7 +274,7 @@ def check(sc: dict, per_rank: list[Any]) -> list[str]:
     for rank, res in enumerate(per_rank):
         params = {k: res['state'][k] for k in names}
         diff = ref.max_abs_diff(params, want['params'])
-        if not diff < (TOL_ADAM_BN if sc['model'] == 'bn' and sc.get('optimizer') == 'adam' else TOL):
+        if not diff < TOL:
             problems.append(f'rank {rank} is {diff:.2e} from the reference')
         keys = names if sc.get('stock') else list(res['state'])  # stock Composer leaves BatchNorm buffers per rank
         if any(not torch.equal(res['state'][k], per_rank[0]['state'][k]) for k in keys):

@@ -141,7 +141,13 @@ def train_spec(sc: dict, rank: int) -> DataSpec:
         loader,
         batch_transforms=TRANSFORMS[sc['transform']] if sc.get('transform') else None,
         microbatch_transforms=halve if sc.get('mb_transform') else None,
+        get_num_tokens_in_batch=tokens_in,
     )
+
+
+def tokens_in(batch) -> int:
+    """The batch's tokens (``fuzz_reference.tokens_of`` its ids): what ``max_duration`` in tokens counts."""
+    return ref.tokens_of(parts(batch)[2].tolist())
 
 
 def eval_spec(sc: dict, rank: int, group: int, sizes: list[int], batch: int) -> DataSpec:
@@ -171,7 +177,7 @@ class ListIds(Metric):
 class Model(ComposerModel):
     def __init__(self, sc: dict):
         super().__init__()
-        self.module = ref.make_model(sc)
+        self.module = ref.make_model(sc, distributed=True)
 
     def forward(self, batch):
         x, y, _ = parts(batch)
@@ -292,14 +298,17 @@ def full_state(trainer: Trainer, model: Model, sc: dict) -> dict[str, torch.Tens
     return {k[len('module.') :]: v.detach().cpu().clone() for k, v in state.items() if k.startswith('module.')}
 
 
-def build(sc: dict, rank: int, **checkpoint: Any) -> tuple[Trainer, Model, StepIds]:
+def build(
+    sc: dict, rank: int, join: Optional[Algorithm] = None, raiser: bool = True, **checkpoint: Any
+) -> tuple[Trainer, Model, StepIds]:
+    """The scenario's Trainer; ``join``: the ``UnevenJoin`` to use (another Trainer's: ``twin``), else a new one."""
     model, steps = Model(sc), StepIds(bool(sc.get('stock')))
     algorithms: list[Algorithm] = []
     if not sc.get('stock'):
         from composer_join import UnevenJoin
 
         algorithms.append(
-            UnevenJoin(mode=sc.get('mode', 'shadow'), divide_by_initial_world_size=sc.get('divide', True))
+            join or UnevenJoin(mode=sc.get('mode', 'shadow'), divide_by_initial_world_size=sc.get('divide', True))
         )
     if sc.get('clip'):
         algorithms.append(GradientClipping(clipping_type='norm', clipping_threshold=ref.CLIP))
@@ -317,7 +326,7 @@ def build(sc: dict, rank: int, **checkpoint: Any) -> tuple[Trainer, Model, StepI
         max_duration=f'{value}{unit}',
         optimizers=ref.make_optimizer(sc, model.parameters()),
         algorithms=algorithms,
-        callbacks=([Raiser(*sc['raise_at'])] if sc.get('raise_at') else [])
+        callbacks=([Raiser(*sc['raise_at'])] if sc.get('raise_at') and raiser else [])
         + [steps],  # a raise first: nothing recorded
         device=devices.trainer_device(),
         device_train_microbatch_size=sc.get('microbatch'),
@@ -368,6 +377,13 @@ def run(sc: dict) -> dict[str, Any]:
     trainer: Optional[Trainer] = None
     try:
         trainer, model, steps = first_fit(sc, rank)
+        if sc.get('twin'):  # a second Trainer with the same UnevenJoin trains the first fit again, from scratch
+            joins = [a for a in trainer.state.algorithms if type(a).__name__ == 'UnevenJoin']
+            twin, twin_model, _ = build(sc, rank, join=joins[0] if joins else None, raiser=False)
+            twin.fit()
+            out['twin'] = {k: v.clone() for k, v in full_state(twin, twin_model, sc).items()}
+            out['twin_time'] = [int(twin.state.timestamp.batch), int(twin.state.timestamp.sample)]
+            twin.close()
         if sc.get('refit'):
             trainer.fit(duration='1ep')
         if sc.get('eval') in ('own', 'both'):
@@ -383,6 +399,7 @@ def run(sc: dict) -> dict[str, Any]:
             out['predictions'] = torch.cat([o.cpu() for o in predicted]) if predicted else torch.zeros(0, ref.CLASSES)
         ts = trainer.state.timestamp
         out.update(state=full_state(trainer, model, sc), steps=steps, batch=int(ts.batch), sample=int(ts.sample))
+        out['token'] = int(ts.token)
         trainer.close()
     except Exception as e:  # the checker decides whether the scenario predicted it (a rank that raised is not
         out['error'] = (type(e).__name__, str(e)[:2000])  # closed: its barrier would hide the error)

@@ -14,12 +14,16 @@ means, written from the documented semantics (docs/what-it-computes.md, docs/reb
   most left, ties to the lowest rank, receivers in rank order);
 * the gradient of a step is the mean of the per-sample losses over its ``S_t`` real samples, times ``A_t / W``
   (``divide``) or 1; gradient clipping (by norm) is applied to that gradient; then the optimizer steps;
-* durations in epochs, batches (steps) or samples (real ones: the run ends after the step that reaches them); a
-  second ``fit`` trains one more epoch.
+* durations in epochs, batches (steps), samples or tokens (real ones: the run ends after the step that reaches
+  them; sample ``i`` has ``1 + i % 3`` tokens, a 'views' copy as many again: :func:`tokens_of`); a second ``fit``
+  trains one more epoch.
 
 BatchNorm normalises each rank's microbatch by itself: the reference runs every microbatch's forward on its own,
 so trained parameters do not depend on running statistics (those are left to the ranks: evaluation is checked with
-rank 0's final state).
+rank 0's final state). The ``sync`` model's :class:`SyncNorm` communicates in its forward (``shadow_forward``,
+docs/shadow-steps.md): its microbatch ``k`` is normalised over the union of every rank's ``k``-th real microbatch of
+the step, and the gradient flows through those statistics to every rank's samples; the reference runs that union as
+one forward.
 """
 
 from __future__ import annotations
@@ -70,20 +74,57 @@ def tensors(samples: list[Sample], sc: dict) -> tuple[torch.Tensor, torch.Tensor
 
 
 # ----------------------------------------------------------------------------------------------- models
+class SyncNorm(torch.nn.Module):
+    """Batch normalisation whose training statistics (sum, sum of squares, count) are all-reduced across ranks with
+    a differentiable all-reduce when ``distributed`` (``shadow_forward = True``: a shadowing rank runs it on zero
+    samples, which add nothing); running statistics (momentum 0.1) normalise in eval mode, without communicating."""
+
+    shadow_forward = True
+
+    def __init__(self, channels: int, distributed: bool, eps: float = 1e-3):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(channels))
+        self.bias = torch.nn.Parameter(torch.zeros(channels))
+        self.register_buffer('running_mean', torch.zeros(channels))
+        self.register_buffer('running_var', torch.ones(channels))
+        self.distributed, self.eps = distributed, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            mean, var = self.running_mean, self.running_var
+        else:
+            stats = torch.cat([x.sum(0), (x * x).sum(0), x.new_full((1,), float(len(x)))])
+            if self.distributed:
+                from torch.distributed.nn.functional import all_reduce
+
+                stats = all_reduce(stats)
+            c = len(self.weight)
+            n = stats[2 * c]
+            mean = stats[:c] / n
+            var = stats[c : 2 * c] / n - mean * mean
+            if n > 0:
+                with torch.no_grad():
+                    self.running_mean.lerp_(mean.detach(), 0.1)
+                    self.running_var.lerp_(var.detach(), 0.1)
+        return (x - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+
 class Net(torch.nn.Module):
-    """Every drawn model: ``forward(x, y)``. ``kind``: mlp, branch (a head only label-0 samples use), bn,
+    """Every drawn model: ``forward(x, y)``. ``kind``: mlp, branch (a head only label-0 samples use), bn, sync
+    (:class:`SyncNorm`),
     deep (``ckpt``: None, 'reentrant', 'non_reentrant' activation checkpointing of its block), frozen (the first
     layer does not train), sparse (an ``nn.Embedding(sparse=True)`` bag over tokens computed from the features)."""
 
-    def __init__(self, kind: str, ckpt: Optional[str] = None):
+    def __init__(self, kind: str, ckpt: Optional[str] = None, distributed: bool = False):
         super().__init__()
         self.kind, self.ckpt = kind, ckpt
         if kind == 'sparse':
             self.emb = torch.nn.Embedding(VOCAB, CLASSES, sparse=True)
             return
         # no bias before BatchNorm: its true gradient is 0, and Adam would turn float noise there into steps of lr
-        self.inp = torch.nn.Linear(FEATURES, 8, bias=kind != 'bn')
-        self.norm = torch.nn.BatchNorm1d(8) if kind == 'bn' else torch.nn.Identity()
+        self.inp = torch.nn.Linear(FEATURES, 8, bias=kind not in ('bn', 'sync'))
+        norms = {'bn': lambda: torch.nn.BatchNorm1d(8), 'sync': lambda: SyncNorm(8, distributed)}
+        self.norm = norms.get(kind, torch.nn.Identity)()
         if kind == 'deep':
             self.block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
         self.out = torch.nn.Linear(8, CLASSES)
@@ -111,9 +152,11 @@ class Net(torch.nn.Module):
         return out
 
 
-def make_model(sc: dict) -> Net:
+def make_model(sc: dict, distributed: bool = False) -> Net:
+    """The scenario's model, the same initial weights every time; ``distributed``: the ranks' copy (a ``sync``
+    model's statistics are all-reduced across ranks there; the reference's one process sees the union itself)."""
     torch.manual_seed(0)
-    return Net(sc.get('model', 'mlp'), sc.get('ckpt'))
+    return Net(sc.get('model', 'mlp'), sc.get('ckpt'), distributed)
 
 
 def make_optimizer(sc: dict, params) -> torch.optim.Optimizer:
@@ -149,6 +192,11 @@ def rank_ids(sc: dict, rank: int, epoch: int) -> list[int]:
         sampler.set_epoch(epoch)
         return [7000 + i for i in sampler]
     return [1000 * rank + i for i in range(sc['shards'][rank])]
+
+
+def tokens_of(ids) -> int:
+    """The tokens of samples ``ids`` (each occurrence counted): ``1 + i % 3`` each."""
+    return sum(1 + int(i) % 3 for i in ids)
 
 
 def transform(batch: list[int], kind: Optional[str]) -> list[Sample]:
@@ -198,8 +246,9 @@ def planned_steps(sc: dict) -> list[tuple[int, list[Optional[list[Sample]]]]]:
         steps = epoch_steps(sc, epoch)
         for step in steps:
             out.append((epoch, step))
-            samples += sum(len(s) for s in step if s)
-            if (unit == 'ba' and len(out) == value) or (unit == 'sp' and samples >= value):
+            counted = [i for s in step if s for i, _ in s]
+            samples += len(counted) if unit == 'sp' else tokens_of(counted)
+            if (unit == 'ba' and len(out) == value) or (unit in ('sp', 'tok') and samples >= value):
                 break
         else:
             epoch += 1
@@ -218,10 +267,14 @@ def step_loss(module: Net, sc: dict, step: list[Optional[list[Sample]]]) -> torc
     total = sum(len(s) for s in parts)
     mb = sc.get('microbatch') or sc['batch']  # Composer's default: the dataloader's batch size (a 'views' batch: two)
     loss = torch.zeros(())
-    for samples in parts:
-        for k in range(0, len(samples), mb):
-            x, y = tensors(samples[k : k + mb], sc)
-            loss = loss + F.cross_entropy(module(x, y), y, reduction='none').sum()
+    if sc.get('model') == 'sync':  # microbatch k of the step: the union of every rank's k-th, as one forward
+        chunks = [[s[k : k + mb] for k in range(0, len(s), mb)] for s in parts]
+        together = [[x for c in chunks if k < len(c) for x in c[k]] for k in range(max(map(len, chunks), default=0))]
+    else:
+        together = [s[k : k + mb] for s in parts for k in range(0, len(s), mb)]
+    for samples in together:
+        x, y = tensors(samples, sc)
+        loss = loss + F.cross_entropy(module(x, y), y, reduction='none').sum()
     factor = len(parts) / sc['world'] if sc.get('divide', True) else 1.0
     return loss / total * factor
 
@@ -247,6 +300,7 @@ def train(sc: dict) -> dict[str, Any]:
         'params': {n: p.detach().clone() for n, p in module.named_parameters()},
         'steps': [[sorted(i for i, _ in s) if s else [] for s in step] for _, step in steps],
         'samples': sum(len(s) for _, step in steps for s in step if s),
+        'tokens': tokens_of(i for _, step in steps for s in step if s for i, _ in s),
         'trained': trained,
     }
 

@@ -13,11 +13,12 @@ Drawn now:
   (``views``); a ``microbatch_transforms`` (``mb_transform``);
 * model: ``mlp``, ``branch`` (a head only label-0 samples use: data-dependent unused parameters), ``bn``
   (BatchNorm), ``deep`` with ``ckpt`` None / reentrant / non-reentrant activation checkpointing, ``frozen`` (a
-  layer without gradients), ``sparse`` (``nn.Embedding(sparse=True)`` with ``SparseAdam``);
+  layer without gradients), ``sparse`` (``nn.Embedding(sparse=True)`` with ``SparseAdam``), ``sync`` (a
+  ``shadow_forward`` normalisation whose forward all-reduces its statistics: ``fuzz_reference.SyncNorm``);
 * training: microbatch size, every ``ddp_sync_strategy``, ``find_unused_parameters`` (an algorithm asking for it),
   DDP ``static_graph``, SGD with momentum or Adam, gradient clipping (Composer's ``GradientClipping``: another
   algorithm), ``mode='shadow'``/``'rebalance'``, both ``divide_by_initial_world_size``, durations in epochs,
-  batches or samples;
+  batches, samples or tokens;
 * life: evaluation with the Trainer's own loader and with a passed one (accuracy, a per-sample mean loss and a
   list-state metric of the ids seen), ``predict()``, a second ``fit()``;
 
@@ -26,9 +27,11 @@ Drawn now:
   exception raised on every rank at a random event (``raise_at``: fit, epoch, batch start, after the dataloader,
   before the forward at a random step; evaluation or predict start), the call then retried on the same trainer.
 
-Not yet drawn: durations in tokens, ``shadow_forward`` modules, resumption on another world size, an exception on
-only some ranks or inside the backward, one UnevenJoin in two Trainers, a ``len()`` that miscounts under
-rebalancing, automatic microbatching, a second ``eval()`` before any ``fit()``.
+* life: one ``UnevenJoin`` in two Trainers (``twin``: after the first fit, a second Trainer given the first's
+  ``UnevenJoin`` trains the first fit again from scratch; the first Trainer's life then goes on).
+
+Not yet drawn: resumption on another world size, an exception on only some ranks or inside the backward, a
+``len()`` that miscounts under rebalancing, automatic microbatching, a second ``eval()`` before any ``fit()``.
 
 A scenario passes when: every rank's parameters are within :data:`TOL` of the reference's, every rank holds the
 same state (parameters and buffers), each step trained exactly the reference's samples (so every id as often as
@@ -118,6 +121,11 @@ def draw(seed: int) -> dict[str, Any]:
     sc['predict_shards'] = _sizes(rng, world, batch) if rng.random() < 0.25 else None
     # (new draws go last, so that a seed's earlier features stay what they were)
     sc['raise_at'] = [rng.choice(RAISE_EVENTS), rng.random()] if rng.random() < 0.2 else None
+    if unit == 'sp' and rng.random() < 0.5:
+        sc['duration'][1] = 'tok'
+    sc['twin'] = rng.random() < 0.1
+    if rng.random() < 0.1:
+        sc['model'] = 'sync'
     return normalize(sc)
 
 
@@ -152,7 +160,7 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         sc.update(sync=None, find_unused=False, static_graph=False)
         # and no head only some samples use: FSDP has no find_unused_parameters, UnevenJoin raises by design
         # when ranks' microbatches use different parameters (seeds 1026, 1038)
-        if sc['model'] in ('frozen', 'sparse', 'bn', 'branch'):
+        if sc['model'] in ('frozen', 'sparse', 'bn', 'branch', 'sync'):
             sc['model'] = 'mlp'
     if sc.get('static_graph') and sc['model'] in ('branch', 'sparse'):
         sc['static_graph'] = False
@@ -173,7 +181,7 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         sc['resume_at'] = None
     elif sc.get('optimizer') == 'sparseadam':
         sc['optimizer'] = 'sgd'
-    if sc['model'] == 'bn' and sc.get('optimizer') == 'adam':
+    if sc['model'] in ('bn', 'sync') and sc.get('optimizer') == 'adam':
         # a direction whose true gradient is 0 (BatchNorm removes the mean) carries float noise, which Adam turns into
         # steps of its learning rate: stock Composer on even shards is 1.7e-6 to 3.1e-5 from the reference there
         # (seeds 1012, 647676 made even), so the comparison cannot tell a bug; SGD with momentum shows one
@@ -189,7 +197,8 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         sc['refit'] = False
     if isinstance(sc['duration'][0], float):  # a fraction of two epochs, in batches or samples
         steps = ref.epoch_steps(sc, 0)
-        total = len(steps) if sc['duration'][1] == 'ba' else sum(len(s) for st in steps for s in st if s)
+        counted = [i for st in steps for s in st if s for i, _ in s]
+        total = {'ba': len(steps), 'sp': len(counted), 'tok': ref.tokens_of(counted)}[sc['duration'][1]]
         sc['duration'] = [max(1, math.ceil(sc['duration'][0] * 2 * total)), sc['duration'][1]]
     if sc.get('resume_at') is not None:  # a fraction of the first fit's steps, made a step in [1, steps - 1]
         first = len(ref.planned_steps({**sc, 'refit': False}))
@@ -279,10 +288,10 @@ def check(sc: dict, per_rank: list[Any]) -> list[str]:
         keys = names if sc.get('stock') else list(res['state'])  # stock Composer leaves BatchNorm buffers per rank
         if any(not torch.equal(res['state'][k], per_rank[0]['state'][k]) for k in keys):
             problems.append(f'rank {rank} holds another state than rank 0')
-        if res['batch'] != len(want['steps']) or res['sample'] != want['samples']:
+        if (res['batch'], res['sample'], res['token']) != (len(want['steps']), want['samples'], want['tokens']):
             problems.append(
-                f'rank {rank}: timestamp {res["batch"]} batches, {res["sample"]} samples; '
-                f'reference {len(want["steps"])}, {want["samples"]}'
+                f'rank {rank}: timestamp {res["batch"]} batches, {res["sample"]} samples, {res["token"]} tokens; '
+                f'reference {len(want["steps"])}, {want["samples"]}, {want["tokens"]}'
             )
     got_steps = max((max(res['steps'], default=-1) for res in per_rank), default=-1) + 1
     for t in range(max(got_steps, len(want['steps']))):
@@ -295,7 +304,24 @@ def check(sc: dict, per_rank: list[Any]) -> list[str]:
         for epoch in range(sc['duration'][0] + (1 if sc.get('refit') else 0)):
             if want['trained'].get(epoch, {}) != ref.expected_counts(sc, epoch):
                 problems.append(f'epoch {epoch}: reference trains {want["trained"].get(epoch)}')
-    problems += _check_eval(sc, per_rank) + _check_predict(sc, per_rank)
+    problems += _check_twin(sc, per_rank) + _check_eval(sc, per_rank) + _check_predict(sc, per_rank)
+    return problems
+
+
+def _check_twin(sc: dict, per_rank: list[dict]) -> list[str]:
+    """The second Trainer with the same ``UnevenJoin`` (``twin``) trained the first fit as a fresh one would."""
+    if not sc.get('twin'):
+        return []
+    want = ref.train({k: v for k, v in sc.items() if k not in ('refit', 'resume_at')})
+    problems = []
+    for rank, res in enumerate(per_rank):
+        diff = ref.max_abs_diff({k: res['twin'][k] for k in want['params']}, want['params'])
+        if not diff < TOL:
+            problems.append(f'twin: rank {rank} is {diff:.2e} from the reference')
+        if res['twin_time'] != [len(want['steps']), want['samples']]:
+            problems.append(
+                f'twin: rank {rank} timestamp {res["twin_time"]}, reference {len(want["steps"])}, {want["samples"]}'
+            )
     return problems
 
 
@@ -387,6 +413,7 @@ def simplifications(sc: dict) -> list[dict]:
         'predict_shards': None,
         'resume_at': None,
         'raise_at': None,
+        'twin': None,
         'wrapper': None,
         'workers': None,
         'fmt': None,

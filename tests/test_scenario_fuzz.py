@@ -50,6 +50,8 @@ FEATURES: list[dict] = [
     {'model': 'deep'},
     {'model': 'frozen'},
     {'model': 'sparse', 'optimizer': 'sparseadam'},
+    {'model': 'sync'},
+    {'model': 'sync', 'microbatch': 2, 'sync': 'multi_auto_sync', 'transform': 'views'},
     {'sync': 'single_auto_sync', 'microbatch': 1},
     {'sync': 'multi_auto_sync', 'microbatch': 2},
     {'sync': 'forced_sync', 'microbatch': 2},
@@ -60,6 +62,9 @@ FEATURES: list[dict] = [
     {'divide': False},
     {'duration': [3, 'ba']},
     {'duration': [7, 'sp']},
+    {'duration': [20, 'tok']},
+    {'duration': [13, 'tok'], 'transform': 'views'},
+    {'twin': True, 'refit': True, 'eval': 'own', 'eval_batch': 2, 'eval_shards': [2, 2]},
     {'duration': [1, 'ep'], 'refit': True},
     {'eval': 'both', 'eval_batch': 2, 'eval_shards': [5, 5], 'eval_microbatch': 1},
     {'eval': 'own', 'eval_batch': 4, 'eval_shards': [3, 3]},
@@ -102,12 +107,13 @@ def test_draws_are_deterministic_json_and_normal():
     drawn = [fuzz.draw(seed) for seed in range(400)]
     for key, values in {
         'source': {'len', 'nolen', 'exact', 'torch', 'over', 'under'},
-        'model': {'mlp', 'branch', 'bn', 'deep', 'frozen', 'sparse'},
+        'model': {'mlp', 'branch', 'bn', 'deep', 'frozen', 'sparse', 'sync'},
         'transform': {'float', 'drop', 'views'},
         'eval': {'own', 'passed', 'both'},
     }.items():
         assert {sc.get(key, 'mlp' if key == 'model' else None) for sc in drawn} >= values, key
-    assert {sc['duration'][1] for sc in drawn} == {'ep', 'ba', 'sp'}
+    assert {sc['duration'][1] for sc in drawn} == {'ep', 'ba', 'sp', 'tok'}
+    assert any(sc.get('twin') for sc in drawn)
     assert any(0 in sc.get('shards', []) for sc in drawn) and any(sc['world'] == 3 for sc in drawn)
 
 

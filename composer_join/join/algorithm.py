@@ -251,9 +251,10 @@ class UnevenJoin(Algorithm):
         return self._run is not None and self._run.shadow_step
 
     def shadows_in(self, state: State) -> bool:
-        """True while this rank runs a shadow step in the Trainer whose state is ``state``."""
+        """True while this rank runs a shadow step (or a training step's stand-in microbatch) in the Trainer whose
+        state is ``state``: :func:`is_shadow_step`."""
         run = self._runs.get(state)
-        return run is not None and run.shadow_step
+        return run is not None and run.shadows_now
 
     @property
     def train_loader(self) -> Optional[JoinLoader]:
@@ -363,7 +364,10 @@ def is_shadow_step(state: State) -> bool:
     """True if this rank is running a shadow step: it has run out of data and only keeps the others company.
 
     Meant for callbacks that should skip shadow steps (e.g. per-rank data statistics). Outside
-    training and evaluation, or without an active :class:`UnevenJoin`, it is False.
+    training and evaluation, or without an active :class:`UnevenJoin`, it is False. Inside a training step it is
+    also True for a stand-in microbatch, from its ``BEFORE_FORWARD`` to its ``AFTER_BACKWARD``: one that pads this
+    rank's microbatches to the step's largest count (FSDP; DDP where the forward communicates), whose batch is the
+    stand-in's (two template samples, weighted zero, or zero samples), not data to count.
 
     Example::
 

@@ -186,6 +186,12 @@ class FitSession:
         """This rank runs a shadow step: it has run out of data, others have not."""
         return self.loader.shadowing
 
+    @property
+    def shadows_now(self) -> bool:
+        """What :func:`~composer_join.is_shadow_step` reports: a shadow step, or, in a real step, a stand-in
+        microbatch running (one padding this rank's microbatches to the step's largest count)."""
+        return self.loader.shadowing or self.microbatches.in_stand_in()
+
     def close(self) -> None:
         """End what a run that raised left of this fit: its iteration, its register (before the next fit starts)."""
         self.loader.close_iteration()
@@ -328,4 +334,5 @@ class FitSession:
         self.microbatches.keep_train_metrics_out(step.microbatch)
 
     def after_train_batch(self, state: State) -> None:
+        self.microbatches.microbatches_over()
         self.microbatches.metrics_back(state.train_metrics)

@@ -83,6 +83,9 @@ class Step:
     """Metrics emptied for a stand-in microbatch, and their content."""
     microbatch: Optional[Microbatch] = None
     """The current microbatch's record."""
+    running: bool = False
+    """A microbatch of the step runs: from its ``BEFORE_FORWARD`` until the next begins or the step's microbatches
+    are over (``AFTER_TRAIN_BATCH``)."""
     wrapped: Optional[WrapperMicrobatch] = None
     """The wrapper's part of the current training microbatch: made with its record, entered at ``BEFORE_FORWARD``
     (:meth:`enter`), until it exits (:meth:`exit`)."""
@@ -113,6 +116,7 @@ class Step:
         return True
 
     def end(self) -> None:
+        self.running = False
         self.exit()
         self.put_back()
         self.refill()
@@ -162,8 +166,19 @@ class Microbatches:
         inert = wrapped is not None and wrapped.inert
         weight = 0.0 if shadow else plan.grad_factor(divide) if plan is not None else 1.0
         record = Microbatch(shadow=shadow, samples=max(samples, 0), fed=shadow and not inert, weight=weight)
-        step.microbatch, step.wrapped = record, wrapped
+        step.microbatch, step.wrapped, step.running = record, wrapped, True
         return record
+
+    def in_stand_in(self) -> bool:
+        """Whether a stand-in microbatch of the current step runs now (a padded one in a real step, or any of a
+        shadow step), from its ``BEFORE_FORWARD`` until :meth:`microbatches_over`."""
+        step = self._step[1] if self._step is not None else None
+        return step is not None and step.running and step.microbatch is not None and step.microbatch.shadow
+
+    def microbatches_over(self) -> None:
+        """The step's microbatches have run (``AFTER_TRAIN_BATCH``): none is current any more."""
+        if self._step is not None:
+            self._step[1].running = False
 
     def feed(self, record: Microbatch) -> None:
         """Stand-in: give the forward two real samples instead of the empty batch; real: keep two.

@@ -7,7 +7,7 @@ Drawn now:
 * data: world size 2 or 3; per-rank shards of 0 to 3 batches + 1 (empty and one-batch shards often), which rank
   is short drawn like everything else; sources ``len`` (an ``IterableDataset`` with an exact ``len()``),
   ``nolen`` (none), ``over``/``under`` (a ``len()`` one batch too high / low: an ``UnevenInputsError`` predicted
-  where docs/limits.md says so), ``exact`` (map-style with ``composer_join.ExactDistributedSampler``), ``torch``
+  where docs/limits.md says so; rebalancing, always: docs/rebalancing.md), ``exact`` (map-style with ``composer_join.ExactDistributedSampler``), ``torch``
   (map-style with torch's padding ``DistributedSampler``), shuffled or not; DataLoader workers 0-2; tuple or dict
   batches; ``batch_transforms`` that change the dtype (``float``), drop a sample (``drop``) or double the samples
   (``views``); a ``microbatch_transforms`` (``mb_transform``);
@@ -30,8 +30,8 @@ Drawn now:
 * life: one ``UnevenJoin`` in two Trainers (``twin``: after the first fit, a second Trainer given the first's
   ``UnevenJoin`` trains the first fit again from scratch; the first Trainer's life then goes on).
 
-Not yet drawn: resumption on another world size, an exception on only some ranks or inside the backward, a
-``len()`` that miscounts under rebalancing, automatic microbatching, a second ``eval()`` before any ``fit()``.
+Not yet drawn: resumption on another world size, an exception on only some ranks or inside the backward,
+automatic microbatching, a second ``eval()`` before any ``fit()``.
 
 A scenario passes when: every rank's parameters are within :data:`TOL` of the reference's, every rank holds the
 same state (parameters and buffers), each step trained exactly the reference's samples (so every id as often as
@@ -149,8 +149,8 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
     else:
         sc.pop('map_size', None)
         sc.pop('shuffle', None)
-    if sc['source'] in ('over', 'under', 'nolen'):
-        sc['mode'] = 'shadow'  # rebalancing needs exact len()s (the read-ahead rule has its own fuzz)
+    if sc['source'] == 'nolen':
+        sc['mode'] = 'shadow'  # the read-ahead rule has its own fuzz (tests/test_rebalance_unsized.py)
     if sc['source'] in ('over', 'under'):
         sc['workers'] = min(sc.get('workers', 0), 1)  # >1 workers over an IterableDataset: len() may undercount
         sc['duration'] = [sc['duration'][0] if sc['duration'][1] == 'ep' else 1, 'ep']
@@ -243,13 +243,15 @@ def _tiny_microbatch(sc: dict) -> bool:
 
 def predicted_error(sc: dict) -> Optional[str]:
     """The error every rank must stop with, or None: a loader yielding fewer batches than its ``len()``, or more than
-    the longest ``len()`` (docs/limits.md)."""
+    the longest ``len()`` (docs/limits.md); rebalancing, any ``len()`` that miscounts (docs/rebalancing.md)."""
     if sc['source'] not in ('over', 'under'):
         return None
     b = sc['batch']
     actual = [math.ceil(n / b) for n in sc['shards']]
     claimed = [math.ceil(({'over': n + b, 'under': max(0, n - b)}[sc['source']]) / b) for n in sc['shards']]
     if any(a < c for a, c in zip(actual, claimed)) or max(actual) > max(claimed):
+        return 'UnevenInputsError'
+    if sc.get('mode') == 'rebalance' and actual != claimed:
         return 'UnevenInputsError'
     return None
 

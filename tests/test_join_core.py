@@ -35,6 +35,15 @@ SCENARIOS: dict[str, dict] = {
     'len_too_short': dict(shards=[24, 40], batch_size=8, epochs=1, join=DIVIDE, claimed_len={1: 16}, expect_error=True),
     # every len() is 0 (Composer reads no batch), and one rank yields one all the same: every rank stops naming it
     'every_len_zero': dict(shards=[8, 0], batch_size=8, epochs=1, join=DIVIDE, claimed_len={0: 0}, expect_error=True),
+    # the same rebalancing (found by the scenario fuzzer: no error, the batch lost; nothing to move, so no rebalancer)
+    'every_len_zero_rebalanced': dict(
+        shards=[8, 0],
+        batch_size=8,
+        epochs=1,
+        join={**DIVIDE, 'mode': 'rebalance'},
+        claimed_len={0: 0},
+        expect_error=True,
+    ),
     'loader_fails': dict(shards=[24, 40], batch_size=8, epochs=1, join=DIVIDE, fail_at={1: 20}),
     'throw_even': dict(shards=[16, 16], batch_size=8, epochs=2, join={'throw_on_early_termination': True}),
     'batchnorm': dict(shards=[40, 21], batch_size=8, epochs=2, model='bn', join=DIVIDE),
@@ -78,6 +87,7 @@ ROTATED = [
     'batchnorm',
     'len_too_short',
     'every_len_zero',
+    'every_len_zero_rebalanced',
     'empty_shard',
     'empty_first_ranks',
     'three_ranks_no_divide',
@@ -290,7 +300,7 @@ def test_a_len_that_hides_batches_stops_every_rank_naming_it(runs, name):
         assert f'rank(s) [{hiding}] yielded more than the 3 batches' in (res['error'] or ''), res['error']
 
 
-@pytest.mark.parametrize('name', expand(['every_len_zero'], SCENARIOS))
+@pytest.mark.parametrize('name', expand(['every_len_zero', 'every_len_zero_rebalanced'], SCENARIOS))
 def test_a_batch_where_every_len_is_zero_stops_every_rank_naming_it(runs, name):
     # every rank's len() is 0, so Composer's loop asks for no batch (stock drops the rank's batch in silence): every
     # rank checks as the loop starts, and every rank stops naming the rank that yields one

@@ -247,7 +247,7 @@ def batch_source(
 ) -> tuple[BatchSource, Lengths]:
     """Where this rank's batches come from (the one place the kind is chosen), and the lengths the loader plans with.
 
-    Not rebalancing: :class:`~composer_join.core.source.OwnBatches`. Rebalancing with every rank's ``len()``:
+    Not rebalancing, or every rank's ``len()`` 0 (nothing to move): :class:`~composer_join.core.source.OwnBatches`. Rebalancing with every rank's ``len()``:
     :class:`~composer_join.rebalance.rebalance.RebalancingLoader`, whose lengths are each rank's assigned
     batches, own and received; with some rank's unknown: :class:`~composer_join.rebalance.readahead.ReadAheadRebalancer`,
     step by step (no length known ahead). A rebalancer plans over ``layout``'s data-parallel members, and moves
@@ -256,8 +256,8 @@ def batch_source(
     """
     per_rank = list(lengths.per_rank or [])
     source: BatchSource
-    if not rebalance:
-        return OwnBatches(dataloader), lengths
+    if not rebalance or (per_rank and not any(per_rank)):  # every len() 0: nothing to move, and Composer reads no
+        return OwnBatches(dataloader), lengths  # batch, so the loader checks that none would be lost (Rules)
     if None in per_rank:
         source, shared, overflow, assigned = rebalanced_without_len(
             dataloader, per_rank, to_device, layout, channel, exchange

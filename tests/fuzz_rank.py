@@ -13,6 +13,7 @@ import glob
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from typing import Any, Optional
 
@@ -374,6 +375,7 @@ def run(sc: dict) -> dict[str, Any]:
     rank = dist.get_global_rank()
     assert dist.get_world_size() == sc['world'], (dist.get_world_size(), sc['world'])
     out: dict[str, Any] = {'error': None}
+    started = time.monotonic()
     trainer: Optional[Trainer] = None
     try:
         trainer, model, steps = first_fit(sc, rank)
@@ -407,4 +409,5 @@ def run(sc: dict) -> dict[str, Any]:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(folder_for(sc), ignore_errors=True)
+    out['seconds'] = time.monotonic() - started
     return out

@@ -360,6 +360,9 @@ def _check_predict(sc: dict, per_rank: list[dict]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------- running
+sc_times: list[tuple[float, Any]] = []  # (seconds on the slowest rank, seed) of every scenario run in this process
+
+
 def run_launch(world: int, scs: list[dict]) -> list[list[str]]:
     """Run ``scs`` (all of world size ``world``) in one launch; per scenario, its problems."""
     from harness import launch
@@ -371,6 +374,8 @@ def run_launch(world: int, scs: list[dict]) -> list[list[str]]:
         return [[f'launch failed: {str(e)[-1500:]}'] for _ in scs]
     out = []
     for i, sc in enumerate(scs):
+        seconds = [r.get('seconds', 0.0) for r in results[f's{i}'] if isinstance(r, dict)]
+        sc_times.append((max(seconds, default=0.0), sc.get('seed', i)))
         try:
             out.append(check(sc, results[f's{i}']))
         except Exception as e:  # a checker crash is a failure to look at
@@ -390,7 +395,13 @@ def run_many(scs: list[dict], chunk: int = CHUNK, confirm: bool = True, log=None
                 problems[i] = p
             if log is not None:
                 failed = [scs[i].get('seed', i) for i in part if problems[i]]
-                log(f'  {len(part)} scenarios on {world} ranks in {time.monotonic() - started:.0f} s; failed: {failed}')
+                slow = ', '.join(
+                    f'{seed}: {t:.1f} s' for t, seed in sorted(sc_times[-len(part) :], key=lambda x: -x[0])[:3]
+                )
+                log(
+                    f'  {len(part)} scenarios on {world} ranks in {time.monotonic() - started:.0f} s '
+                    f'(slowest {slow}); failed: {failed}'
+                )
     if confirm:
         for i, sc in enumerate(scs):
             if problems[i] and sum(1 for sc2 in scs if sc2['world'] == sc['world']) > 1:

@@ -217,11 +217,15 @@ def make_evaluator(sc: dict, rank: int, label: str) -> Evaluator:
 
 
 class StepIds(Callback):
-    """Per global step, the ids of the real samples this rank trained."""
+    """Per global step, the ids of the real samples this rank trained (in the step's last attempt: automatic
+    microbatching retries a step after an out-of-memory error)."""
 
     def __init__(self, stock: bool):
         self.stock = stock
         self.steps: dict[int, list[int]] = {}
+
+    def before_train_batch(self, state, logger):  # again at each attempt automatic microbatching retries
+        self.steps[int(state.timestamp.batch)] = []
 
     def before_forward(self, state, logger):
         ids = self.steps.setdefault(int(state.timestamp.batch), [])
@@ -300,9 +304,11 @@ def full_state(trainer: Trainer, model: Model, sc: dict) -> dict[str, torch.Tens
 
 
 def build(
-    sc: dict, rank: int, join: Optional[Algorithm] = None, raiser: bool = True, **checkpoint: Any
+    sc: dict, rank: int, join: Optional[Algorithm] = None, faults: bool = True, **checkpoint: Any
 ) -> tuple[Trainer, Model, StepIds]:
-    """The scenario's Trainer; ``join``: the ``UnevenJoin`` to use (another Trainer's: ``twin``), else a new one."""
+    """The scenario's Trainer; ``join``: the ``UnevenJoin`` to use (another Trainer's: ``twin``), else a new one;
+    ``faults``: with the scenario's raise (``raise_at``) and out-of-memory error (``oom``: automatic microbatching on,
+    as ``tests/scenarios_oom.py`` simulates it on CPU)."""
     model, steps = Model(sc), StepIds(bool(sc.get('stock')))
     algorithms: list[Algorithm] = []
     if not sc.get('stock'):
@@ -327,7 +333,7 @@ def build(
         max_duration=f'{value}{unit}',
         optimizers=ref.make_optimizer(sc, model.parameters()),
         algorithms=algorithms,
-        callbacks=([Raiser(*sc['raise_at'])] if sc.get('raise_at') and raiser else [])
+        callbacks=([Raiser(*sc['raise_at'])] if sc.get('raise_at') and faults else [])
         + [steps],  # a raise first: nothing recorded
         device=devices.trainer_device(),
         device_train_microbatch_size=sc.get('microbatch'),
@@ -340,6 +346,13 @@ def build(
     )
     if sc.get('static_graph'):
         trainer.state.model._set_static_graph()  # torch's own switch; Composer has no option for it
+    if sc.get('oom') and faults:  # automatic microbatching, an out-of-memory error at one rank's step (CPU: simulated)
+        from scenarios_oom import OOMInjector, enable_auto_microbatching
+
+        enable_auto_microbatching(trainer)
+        rank_, step, point = sc['oom']
+        limit = (sc.get('microbatch') or sc['batch']) // 2
+        OOMInjector(trainer, [dict(ranks=[rank_], steps=[step], point=point, limit=limit)]).install(model)
     return trainer, model, steps
 
 
@@ -381,7 +394,7 @@ def run(sc: dict) -> dict[str, Any]:
         trainer, model, steps = first_fit(sc, rank)
         if sc.get('twin'):  # a second Trainer with the same UnevenJoin trains the first fit again, from scratch
             joins = [a for a in trainer.state.algorithms if type(a).__name__ == 'UnevenJoin']
-            twin, twin_model, _ = build(sc, rank, join=joins[0] if joins else None, raiser=False)
+            twin, twin_model, _ = build(sc, rank, join=joins[0] if joins else None, faults=False)
             twin.fit()
             out['twin'] = {k: v.clone() for k, v in full_state(twin, twin_model, sc).items()}
             out['twin_time'] = [int(twin.state.timestamp.batch), int(twin.state.timestamp.sample)]

@@ -30,8 +30,12 @@ Drawn now:
 * life: one ``UnevenJoin`` in two Trainers (``twin``: after the first fit, a second Trainer given the first's
   ``UnevenJoin`` trains the first fit again from scratch; the first Trainer's life then goes on).
 
-Not yet drawn: resumption on another world size, an exception on only some ranks or inside the backward,
-automatic microbatching, a second ``eval()`` before any ``fit()``.
+* automatic microbatching (``oom``: Composer's out-of-memory retry, simulated on CPU as ``tests/scenarios_oom.py``
+  does: one rank's forward, loss or backward raises Composer's recognised OOM at one of its real steps; Composer
+  halves the microbatch size on every rank and retries the step).
+
+Not yet drawn: resumption on another world size, an exception on only some ranks, a second ``eval()`` before any
+``fit()``.
 
 A scenario passes when: every rank's parameters are within :data:`TOL` of the reference's, every rank holds the
 same state (parameters and buffers), each step trained exactly the reference's samples (so every id as often as
@@ -126,6 +130,7 @@ def draw(seed: int) -> dict[str, Any]:
     sc['twin'] = rng.random() < 0.1
     if rng.random() < 0.1:
         sc['model'] = 'sync'
+    sc['oom'] = [rng.random(), rng.choice(['forward', 'loss', 'backward'])] if rng.random() < 0.12 else None
     return normalize(sc)
 
 
@@ -218,6 +223,8 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
             at if event in ('epoch_start', 'batch_start', 'after_dataloader', 'before_forward') else 0,
         ]
         sc['raise_at'] = sc['raise_at'] if ok else None
+    if sc.get('oom') is not None:
+        sc['oom'] = _oom_step(sc)
     if sc['model'] == 'bn' and _tiny_microbatch(sc):  # BatchNorm cannot train a microbatch of one sample
         sc['model'] = 'mlp'
     for k in [k for k, v in sc.items() if (v is None or v is False) and k != 'divide']:
@@ -231,14 +238,41 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tiny_microbatch(sc: dict) -> bool:
-    mb = sc.get('microbatch') or 10**6
     return any(
-        len(part[k : k + mb]) == 1
-        for _, step in ref.planned_steps({**sc, 'refit': sc.get('refit')})
+        len(part[k : k + ref.microbatch_at(sc, t)]) == 1
+        for t, (_, step) in enumerate(ref.planned_steps({**sc, 'refit': sc.get('refit')}))
         for part in step
         if part
-        for k in range(0, len(part), mb)
+        for k in range(0, len(part), ref.microbatch_at(sc, t))
     )
+
+
+def _oom_step(sc: dict) -> Optional[list]:
+    """An out-of-memory error under automatic microbatching (``oom``: a fraction choosing the rank and step, and the
+    point: forward, loss or backward) made ``[rank, step, point]``: a rank with a real batch at a step of the first
+    fit, so that its model runs (a shadow microbatch under DDP runs none); None where not drawn: FSDP (Composer's
+    FSDP OOM hooks patch FSDP for the whole process), a microbatch of one sample (Composer cannot halve it), a
+    checkpoint, a raise or ``static_graph`` beside it."""
+    if sc.get('wrapper') or sc.get('resume_at') is not None or sc.get('raise_at') or sc.get('static_graph'):
+        return None
+    if (sc.get('microbatch') or sc['batch']) < 2 or sc['source'] in ('over', 'under'):
+        return None
+    if len(sc['oom']) == 3:  # made already
+        return sc['oom']
+    fraction, point = sc['oom']
+    first = ref.planned_steps({**sc, 'refit': False, 'oom': None})
+    where = [(r, t) for t, (_, step) in enumerate(first) for r in range(sc['world']) if step[r]]
+    if not where:
+        return None
+    rank, t = where[min(int(fraction * len(where)), len(where) - 1)]
+    # docs/limits.md: an OOM inside a backward that syncs gradients hangs, as in stock Composer; it syncs unless the
+    # strategy is single_auto_sync (the default without find_unused_parameters), the microbatch is not the batch's
+    # last, and the step is not the fit's first (automatic microbatching syncs every microbatch there)
+    single = sc.get('sync', None if not sc.get('find_unused') else 'multi') in (None, 'single_auto_sync')
+    step = first[t][1][rank] or []
+    if point == 'backward' and not (single and t >= 1 and len(step) > ref.microbatch_at({**sc, 'oom': None}, 0)):
+        point = 'forward'
+    return [rank, t, point]
 
 
 def predicted_error(sc: dict) -> Optional[str]:
@@ -314,7 +348,7 @@ def _check_twin(sc: dict, per_rank: list[dict]) -> list[str]:
     """The second Trainer with the same ``UnevenJoin`` (``twin``) trained the first fit as a fresh one would."""
     if not sc.get('twin'):
         return []
-    want = ref.train({k: v for k, v in sc.items() if k not in ('refit', 'resume_at')})
+    want = ref.train({k: v for k, v in sc.items() if k not in ('refit', 'resume_at', 'oom')})  # (no OOM: its own)
     problems = []
     for rank, res in enumerate(per_rank):
         diff = ref.max_abs_diff({k: res['twin'][k] for k in want['params']}, want['params'])
@@ -427,6 +461,7 @@ def simplifications(sc: dict) -> list[dict]:
         'resume_at': None,
         'raise_at': None,
         'twin': None,
+        'oom': None,
         'wrapper': None,
         'workers': None,
         'fmt': None,

@@ -122,6 +122,8 @@ def train_spec(sc: dict, rank: int) -> DataSpec:
     source, b = sc['source'], sc['batch']
     collate = Collate(sc.get('fmt', 'tuple'), sc.get('transform') is not None)
     kwargs: dict[str, Any] = dict(batch_size=b, collate_fn=collate, num_workers=sc.get('workers', 0))
+    if sc.get('workers'):  # forked (the rank's default, forkserver, starts a server importing torch: 10-100 s a scenario)
+        kwargs['multiprocessing_context'] = 'fork'
     if source in ('exact', 'torch'):
         data = MapData(sc['map_size'])
         shuffle = sc.get('shuffle', False)

@@ -256,8 +256,9 @@ def batch_source(
     """
     per_rank = list(lengths.per_rank or [])
     source: BatchSource
-    if not rebalance or (per_rank and not any(per_rank)):  # every len() 0: nothing to move, and Composer reads no
-        return OwnBatches(dataloader), lengths  # batch, so the loader checks that none would be lost (Rules)
+    nothing_to_move = bool(per_rank) and all(n == 0 for n in per_rank)  # every len() 0 (None: unknown)
+    if not rebalance or nothing_to_move:  # (Composer reads no batch there: the loader checks none would be lost)
+        return OwnBatches(dataloader), lengths
     if None in per_rank:
         source, shared, overflow, assigned = rebalanced_without_len(
             dataloader, per_rank, to_device, layout, channel, exchange

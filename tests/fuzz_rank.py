@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+import traceback
 import zlib
 from typing import Any, Optional
 
@@ -122,7 +123,9 @@ def train_spec(sc: dict, rank: int) -> DataSpec:
     source, b = sc['source'], sc['batch']
     collate = Collate(sc.get('fmt', 'tuple'), sc.get('transform') is not None)
     kwargs: dict[str, Any] = dict(batch_size=b, collate_fn=collate, num_workers=sc.get('workers', 0))
-    if sc.get('workers'):  # forked (the rank's default, forkserver, starts a server importing torch: 10-100 s a scenario)
+    if sc.get(
+        'workers'
+    ):  # forked (the rank's default, forkserver, starts a server importing torch: 10-100 s a scenario)
         kwargs['multiprocessing_context'] = 'fork'
     if source in ('exact', 'torch'):
         data = MapData(sc['map_size'])
@@ -420,6 +423,7 @@ def run(sc: dict) -> dict[str, Any]:
         trainer.close()
     except Exception as e:  # the checker decides whether the scenario predicted it (a rank that raised is not
         out['error'] = (type(e).__name__, str(e)[:2000])  # closed: its barrier would hide the error)
+        out['traceback'] = traceback.format_exc()[-3000:]
     if sc.get('resume_at') is not None and out['error'] is None:
         dist.barrier()
         if rank == 0:

@@ -169,7 +169,7 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
             sc['model'] = 'mlp'
     if sc.get('static_graph') and sc['model'] in ('branch', 'sparse'):
         sc['static_graph'] = False
-    if sc.get('static_graph'):  # docs/limits.md: only multi_auto_sync, and step 0 alike everywhere
+    if sc.get('static_graph'):  # docs/limits.md: only multi_auto_sync, and step 0 alike everywhere (else an error)
         sc.update(sync='multi_auto_sync', microbatch=None, find_unused=False)
     if sc['model'] == 'branch' and not sc.get('wrapper'):  # DDP needs find_unused_parameters for it (stock too)
         sc['find_unused'] = True
@@ -216,13 +216,23 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         at = min(math.floor(at * first), first - 1) if isinstance(at, float) else at
         # eval_start: only a passed evaluation's (a raise at the Trainer's own evaluation inside fit(), retried,
         # has stock Composer train the next steps on the eval loader: found by the stock validation)
-        needs = {'eval_start': sc.get('eval') == 'passed', 'predict_start': sc.get('predict_shards') is not None}
+        # epoch_start where UnevenJoin lifts Composer's length cap (an IterableDataset read by 2 workers may yield more
+        # than its len()): the cap stays lifted, and Composer's retried fit() refuses a duration in epochs before any
+        # event (docs/limits.md; seeds 301260, 301345)
+        lifted = sc['source'] == 'len' and sc.get('workers', 0) > 1 and sc.get('mode', 'shadow') == 'shadow'
+        needs = {
+            'eval_start': sc.get('eval') == 'passed',
+            'predict_start': sc.get('predict_shards') is not None,
+            'epoch_start': not lifted,
+        }
         ok = needs.get(event, True) and sc['source'] not in ('over', 'under')
         sc['raise_at'] = [
             event,
             at if event in ('epoch_start', 'batch_start', 'after_dataloader', 'before_forward') else 0,
         ]
         sc['raise_at'] = sc['raise_at'] if ok else None
+    if sc.get('static_graph') and _step0_microbatches(sc) is None:  # a rank without a batch at step 0: not drawn
+        sc['static_graph'] = False
     if sc.get('oom') is not None:
         sc['oom'] = _oom_step(sc)
     if sc['model'] == 'bn' and _tiny_microbatch(sc):  # BatchNorm cannot train a microbatch of one sample
@@ -245,6 +255,15 @@ def _tiny_microbatch(sc: dict) -> bool:
         if part
         for k in range(0, len(part), ref.microbatch_at(sc, t))
     )
+
+
+def _step0_microbatches(sc: dict) -> Optional[list[int]]:
+    """Each rank's microbatch count at the first fit's step 0, or None if some rank has no batch there."""
+    first = ref.planned_steps({**sc, 'refit': False, 'oom': None})
+    if not first or not all(first[0][1]):
+        return None
+    mb = ref.microbatch_at({**sc, 'oom': None}, 0)
+    return [math.ceil(len(part) / mb) for part in first[0][1] if part]
 
 
 def _oom_step(sc: dict) -> Optional[list]:
@@ -272,12 +291,17 @@ def _oom_step(sc: dict) -> Optional[list]:
     step = first[t][1][rank] or []
     if point == 'backward' and not (single and t >= 1 and len(step) > ref.microbatch_at({**sc, 'oom': None}, 0)):
         point = 'forward'
+    if sc['model'] == 'sync':  # docs/limits.md: an OOM before a communicating forward's collectives (or in its
+        point = 'loss'  # backward) leaves them unmatched, with or without UnevenJoin (seed 301162)
     return [rank, t, point]
 
 
 def predicted_error(sc: dict) -> Optional[str]:
     """The error every rank must stop with, or None: a loader yielding fewer batches than its ``len()``, or more than
-    the longest ``len()`` (docs/limits.md); rebalancing, any ``len()`` that miscounts (docs/rebalancing.md)."""
+    the longest ``len()`` (docs/limits.md); rebalancing, any ``len()`` that miscounts (docs/rebalancing.md); DDP's
+    ``static_graph`` where step 0 splits into different microbatch counts (docs/limits.md)."""
+    if sc.get('static_graph') and len(set(_step0_microbatches(sc) or [0])) > 1:
+        return 'UnevenInputsError'  # docs/limits.md: the static graph's first step must split alike everywhere
     if sc['source'] not in ('over', 'under'):
         return None
     b = sc['batch']

@@ -48,7 +48,7 @@ class OOMInjector:
 
     def _size(self, evaluating: bool) -> int:
         if evaluating:
-            return next(e.device_eval_microbatch_size for e in self.state.evaluators)
+            return next((e.device_eval_microbatch_size for e in self.state.evaluators), 0)  # predict(): none
         return self.state.device_train_microbatch_size
 
     def due(self, point: str) -> bool:

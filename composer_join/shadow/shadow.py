@@ -139,6 +139,16 @@ class ForwardProbe:
         """The collectives a training forward of the model issues, as far as any rank knows (sorted)."""
         return sorted(self.agreed | set(self.found))
 
+    def retried(self) -> None:
+        """Composer retries the step (automatic microbatching, after an OOM): call at its start, on every rank. A
+        probed forward that raised did not finish, and what it counted is not the forward's: Composer's own OOM
+        check all-reduced while the collectives were still wrapped (found by the scenario fuzzer: that rank alone
+        then took its forward for a communicating one and raised, the others lost it in their next collective).
+        Forgotten, the collectives put back; the retried forward is probed afresh."""
+        if self._saved:
+            self._restore()
+            self.found = []
+
     def attach(self, changes: Changes) -> None:
         """Hook the module until ``changes`` is undone; undoing also puts back any collective wrapped meanwhile."""
         changes.hook(self.module.register_forward_pre_hook(self._start))
@@ -148,9 +158,7 @@ class ForwardProbe:
     def _start(self, module, _args) -> None:
         if not self.armed or not module.training:  # a training forward (an evaluation may come first)
             return
-        if self._saved:  # the last probed forward raised (a CUDA OOM that Composer retries): probe this one afresh
-            self._restore()
-            self.found = []
+        self.retried()  # (a probed forward that raised without Composer retrying its step: probe this one afresh)
         import torch.distributed as tdist
 
         for name in COLLECTIVES:

@@ -452,6 +452,8 @@ class DDPWrapper(Wrapper):
         if step == self.last_step and state.auto_microbatching:  # Composer retries this step
             disarm_after_retry(state.model)
             self.way = self.way.after_retry()
+            if self.probe is not None:
+                self.probe.retried()
         self.last_step = step
         follow = static_graph.pending(state.model) and static_graph.first_iteration_syncs(
             plan, self.rank, self.strategy, TorchExchange(state.device.tensor_to_device)

@@ -4,7 +4,9 @@
 models, with ``UnevenJoin`` (or, ``stock``, without), runs its life (fit, a second fit, evaluations, predict) and
 returns plain data for the checker: the ids of the real samples each step trained on this rank, the final state,
 the timestamp, the evaluations' metrics, the predictions, or the error it raised. Many scenarios run one after
-another in one launch (one process group). Not a test module.
+another in one launch (one process group). A scenario resumed on another world size (``resume_world``) takes two
+launches: :func:`save_first_fit` on ``world`` ranks, then :func:`run` on ``resume_world`` ranks, resuming from the
+first's checkpoint in the folder both are given. Not a test module.
 """
 
 from __future__ import annotations
@@ -366,37 +368,66 @@ def folder_for(sc: dict) -> str:
     return os.path.join(tempfile.gettempdir(), f'fuzz47-{os.environ["MASTER_PORT"]}-{zlib.crc32(repr(sc).encode())}')
 
 
-def first_fit(sc: dict, rank: int) -> tuple[Trainer, Model, dict[int, list[int]]]:
-    """The first ``fit()``; with ``resume_at`` k: a fit saving after every batch, then a fresh trainer loaded from
-    the checkpoint after batch k fits to the end (the steps before k are the first run's)."""
-    if sc.get('resume_at') is None:
-        trainer, model, steps = build(sc, rank)
-        retried(trainer.fit)
-        return trainer, model, steps.steps
-    folder = folder_for(sc)
+def saving_fit(sc: dict, rank: int, folder: str) -> dict[int, list[int]]:
+    """The first ``fit()`` on ``world`` ranks with a checkpoint after every batch in ``folder``; its steps."""
     save = dict(save_folder=folder, save_interval='1ba', save_overwrite=True, save_num_checkpoints_to_keep=-1)
     trainer, _, before = build(sc, rank, **save)
     retried(trainer.fit)
     trainer.close()
+    return before.steps
+
+
+def checkpoint(sc: dict, folder: str) -> str:
+    """The checkpoint after batch ``resume_at`` in ``folder``."""
     pattern = f'ep*-ba{sc["resume_at"]}' + ('' if sc.get('wrapper') else '-rank0.pt')  # FSDP: a sharded folder
     (path,) = glob.glob(os.path.join(folder, pattern))
-    trainer, model, steps = build(sc, rank, load_path=path)
+    return path
+
+
+def first_fit(sc: dict, rank: int, folder: Optional[str] = None) -> tuple[Trainer, Model, dict[int, list[int]]]:
+    """The first ``fit()``; with ``resume_at`` k: a fit saving after every batch, then a fresh trainer loaded from
+    the checkpoint after batch k fits to the end (the steps before k are the first run's). Resumed on another world
+    size (``resume_world``): the saving fit was the first launch's (:func:`save_first_fit`, into ``folder``); this
+    launch only loads and fits on (its steps from k on)."""
+    if sc.get('resume_at') is None:
+        trainer, model, steps = build(sc, rank)
+        retried(trainer.fit)
+        return trainer, model, steps.steps
+    if sc.get('resume_world'):
+        assert folder is not None, "a scenario resumed on another world size needs the first launch's folder"
+        before: dict[int, list[int]] = {}
+    else:
+        folder = folder_for(sc)
+        before = saving_fit(sc, rank, folder)
+    trainer, model, steps = build(sc, rank, load_path=checkpoint(sc, folder))
     retried(trainer.fit)
-    merged = {t: ids for t, ids in before.steps.items() if t < sc['resume_at']}
+    merged = {t: ids for t, ids in before.items() if t < sc['resume_at']}
     merged.update(steps.steps)
     steps.steps = merged  # the later fits of this trainer add to it
     return trainer, model, steps.steps
 
 
-def run(sc: dict) -> dict[str, Any]:
-    """The scenario's life on this rank; see the module docstring."""
-    rank = dist.get_global_rank()
+def save_first_fit(sc: dict, folder: str) -> dict[str, Any]:
+    """The first launch of a scenario resumed on another world size, on ``world`` ranks: its first ``fit()`` saving
+    after every batch into ``folder`` (which outlives the launch); ``{'error', 'steps'}`` for the checker."""
     assert dist.get_world_size() == sc['world'], (dist.get_world_size(), sc['world'])
+    try:
+        return {'error': None, 'steps': saving_fit(sc, dist.get_global_rank(), folder)}
+    except Exception as e:  # the checker fails the scenario with it
+        return {'error': (type(e).__name__, str(e)[:2000]), 'steps': {}}
+
+
+def run(sc: dict, folder: Optional[str] = None) -> dict[str, Any]:
+    """The scenario's life on this rank; see the module docstring. Resumed on another world size: the life after
+    the first launch (:func:`save_first_fit`, into ``folder``), on ``resume_world`` ranks."""
+    rank = dist.get_global_rank()
+    world = sc.get('resume_world') or sc['world']
+    assert dist.get_world_size() == world, (dist.get_world_size(), world)
     out: dict[str, Any] = {'error': None}
     started = time.monotonic()
     trainer: Optional[Trainer] = None
     try:
-        trainer, model, steps = first_fit(sc, rank)
+        trainer, model, steps = first_fit(sc, rank, folder)
         if sc.get('twin'):  # a second Trainer with the same UnevenJoin trains the first fit again, from scratch
             joins = [a for a in trainer.state.algorithms if type(a).__name__ == 'UnevenJoin']
             twin, twin_model, _ = build(sc, rank, join=joins[0] if joins else None, faults=False)
@@ -424,7 +455,7 @@ def run(sc: dict) -> dict[str, Any]:
     except Exception as e:  # the checker decides whether the scenario predicted it (a rank that raised is not
         out['error'] = (type(e).__name__, str(e)[:2000])  # closed: its barrier would hide the error)
         out['traceback'] = traceback.format_exc()[-3000:]
-    if sc.get('resume_at') is not None and out['error'] is None:
+    if sc.get('resume_at') is not None and not sc.get('resume_world') and out['error'] is None:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(folder_for(sc), ignore_errors=True)

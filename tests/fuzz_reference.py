@@ -17,7 +17,13 @@ means, written from the documented semantics (docs/what-it-computes.md, docs/reb
   automatic microbatching does) run on its own; gradient clipping (by norm) is applied to that gradient; then the optimizer steps;
 * durations in epochs, batches (steps), samples or tokens (real ones: the run ends after the step that reaches
   them; sample ``i`` has ``1 + i % 3`` tokens, a 'views' copy as many again: :func:`tokens_of`); a second ``fit``
-  trains one more epoch.
+  trains one more epoch;
+* resumed on another world size (``resume_world``, docs/reliability.md "Elastic resumption"): the steps before
+  ``resume_at`` on ``world`` ranks; the rest of that epoch (map-style data) is every sample no old rank had used
+  (old rank 0's unused tail of its shard, then old rank 1's, ...), new rank ``q`` of ``W'`` taking every
+  ``W'``-th from the ``q``-th, in batches of the loader's batch size, scheduled by the mode on ``W'`` ranks (a
+  checkpoint of an epoch's last batch leaves nothing); later epochs (and a second ``fit``) shard for ``W'``; each
+  step's gradient is times ``A_t / W_t`` with the world size that trains it.
 
 BatchNorm normalises each rank's microbatch by itself: the reference runs every microbatch's forward on its own,
 so trained parameters do not depend on running statistics (those are left to the ranks: evaluation is checked with
@@ -186,9 +192,10 @@ def exact_shard(n: int, world: int, rank: int, shuffle: bool, epoch: int) -> lis
     return order[rank::world]
 
 
-def rank_ids(sc: dict, rank: int, epoch: int) -> list[int]:
-    """The ids rank ``rank``'s loader yields in epoch ``epoch``, in order."""
-    source, world = sc['source'], sc['world']
+def rank_ids(sc: dict, rank: int, epoch: int, world: Optional[int] = None) -> list[int]:
+    """The ids rank ``rank`` of ``world`` (default: ``sc['world']``)'s loader yields in epoch ``epoch``, in order
+    (per-rank shards: rank ``r``'s own, ``sc['shards'][r]``, at any world size)."""
+    source, world = sc['source'], world or sc['world']
     if source == 'exact':
         return [7000 + i for i in exact_shard(sc['map_size'], world, rank, sc.get('shuffle', False), epoch)]
     if source == 'torch':
@@ -216,22 +223,26 @@ def transform(batch: list[int], kind: Optional[str]) -> list[Sample]:
     return out
 
 
-def rank_batches(sc: dict, rank: int, epoch: int) -> list[list[Sample]]:
-    ids, b = rank_ids(sc, rank, epoch), sc['batch']
+def rank_batches(sc: dict, rank: int, epoch: int, world: Optional[int] = None) -> list[list[Sample]]:
+    ids, b = rank_ids(sc, rank, epoch, world), sc['batch']
     return [transform(ids[k : k + b], sc.get('transform')) for k in range(0, len(ids), b)]
 
 
-def epoch_steps(sc: dict, epoch: int) -> list[list[Optional[list[Sample]]]]:
-    """Per step of the epoch, per rank, the samples it trains (None: it has none)."""
-    world = sc['world']
-    per_rank = [rank_batches(sc, r, epoch) for r in range(world)]
+Owned = tuple[int, list[int]]  # (the rank whose loader yielded a batch, its ids before the batch transform)
+
+
+def schedule(sc: dict, per_rank: list[list[Owned]]) -> list[list[Optional[Owned]]]:
+    """Per step, per rank, the batch it trains (None: none), from each rank's batches: in ``mode='shadow'`` rank
+    ``r``'s ``t``-th at step ``t``; in ``mode='rebalance'`` own batches first, then donations from the rank with
+    most left (ties to the lowest rank), receivers in rank order (docs/rebalancing.md)."""
+    world = len(per_rank)
     if sc.get('mode', 'shadow') != 'rebalance':
-        steps = max(len(b) for b in per_rank)
+        steps = max((len(b) for b in per_rank), default=0)
         return [[b[t] if t < len(b) else None for b in per_rank] for t in range(steps)]
     queues = [deque(b) for b in per_rank]
     out = []
     while any(queues):
-        step: list[Optional[list[Sample]]] = [q.popleft() if q else None for q in queues]
+        step: list[Optional[Owned]] = [q.popleft() if q else None for q in queues]
         for r in range(world):
             if step[r] is None:
                 donor = max(range(world), key=lambda d: (len(queues[d]), -d))
@@ -241,15 +252,96 @@ def epoch_steps(sc: dict, epoch: int) -> list[list[Optional[list[Sample]]]]:
     return out
 
 
+def _samples(sc: dict, steps: list[list[Optional[Owned]]]) -> list[list[Optional[list[Sample]]]]:
+    return [[None if b is None else transform(b[1], sc.get('transform')) for b in step] for step in steps]
+
+
+def owned_steps(sc: dict, epoch: int, world: int) -> list[list[Optional[Owned]]]:
+    """:func:`schedule` of every rank's loader of ``epoch`` on ``world`` ranks."""
+    b = sc['batch']
+    per_rank = []
+    for r in range(world):
+        ids = rank_ids(sc, r, epoch, world)
+        per_rank.append([(r, ids[k : k + b]) for k in range(0, len(ids), b)])
+    return schedule(sc, per_rank)
+
+
+def epoch_steps(sc: dict, epoch: int, world: Optional[int] = None) -> list[list[Optional[list[Sample]]]]:
+    """Per step of the epoch on ``world`` ranks (default: ``sc['world']``), per rank, the samples it trains (None:
+    it has none)."""
+    return _samples(sc, owned_steps(sc, epoch, world or sc['world']))
+
+
+def rest_ids(sc: dict, epoch: int, done: int) -> list[list[int]]:
+    """Per rank of ``resume_world``, the ids of ``epoch`` it trains after a checkpoint taken ``done`` steps into that
+    epoch on ``world`` ranks (map-style data): every old rank's shard of the epoch, without the samples it had used
+    (trained, or given away rebalancing: a prefix of its loader), concatenated in old rank order; new rank ``q`` of
+    ``W'`` takes every ``W'``-th from the ``q``-th."""
+    old, new = sc['world'], sc['resume_world']
+    used = [0] * old
+    for step in owned_steps(sc, epoch, old)[:done]:
+        for batch in step:
+            if batch is not None:
+                used[batch[0]] += len(batch[1])
+    left = [i for r in range(old) for i in rank_ids(sc, r, epoch, old)[used[r] :]]
+    return [left[q::new] for q in range(new)]
+
+
+def rest_steps(sc: dict, epoch: int, done: int) -> list[list[Optional[list[Sample]]]]:
+    """The steps of ``epoch`` after a checkpoint ``done`` steps into it, resumed on ``resume_world`` ranks: each new
+    rank's :func:`rest_ids` in batches of the loader's batch size, scheduled by the mode. Per-rank shard data
+    resumes only from an epoch's last batch (nothing left; mid-epoch it is refused: none here either)."""
+    if sc['source'] not in ('exact', 'torch'):
+        return []
+    b = sc['batch']
+    per_rank = [[(q, ids[k : k + b]) for k in range(0, len(ids), b)] for q, ids in enumerate(rest_ids(sc, epoch, done))]
+    return _samples(sc, schedule(sc, per_rank))
+
+
+def resumed_in(sc: dict) -> Optional[tuple[int, int]]:
+    """For a scenario resumed on another world size: ``(epoch, steps of it done)`` at its checkpoint (done = the
+    epoch's length for the checkpoint of its last batch: an epoch boundary); else None."""
+    if not sc.get('resume_world') or sc.get('resume_at') is None:
+        return None
+    before, epoch = 0, 0
+    while True:
+        n = len(epoch_steps(sc, epoch))
+        if before + n >= sc['resume_at']:
+            return epoch, sc['resume_at'] - before
+        before, epoch = before + n, epoch + 1
+
+
+def mid_epoch(sc: dict) -> bool:
+    """Resumed on another world size from a checkpoint inside an epoch (not after its last batch)."""
+    at = resumed_in(sc)
+    return at is not None and at[1] < len(epoch_steps(sc, at[0]))
+
+
+def world_of(sc: dict, epoch: int) -> int:
+    """The world size whose shards make ``epoch``'s data: ``resume_world`` after the epoch resumed on it."""
+    at = resumed_in(sc)
+    return sc['resume_world'] if at is not None and epoch > at[0] else sc['world']
+
+
+def final_world(sc: dict) -> int:
+    """The world size the scenario ends on (evaluations and predictions run there)."""
+    return sc.get('resume_world') or sc['world']
+
+
 def planned_steps(sc: dict) -> list[tuple[int, list[Optional[list[Sample]]]]]:
-    """Every step the run trains, with its epoch: the duration, then one more epoch if ``refit``."""
+    """Every step the run trains, with its epoch: the duration, then one more epoch if ``refit``; resumed on another
+    world size: the steps of ``world`` up to ``resume_at``, the interrupted epoch's :func:`rest_steps`, then
+    ``resume_world``'s epochs (durations count across both runs)."""
     value, unit = sc['duration']
+    at = resumed_in(sc)
     out: list[tuple[int, list[Optional[list[Sample]]]]] = []
     samples, epoch = 0, 0
     while True:
         if unit == 'ep' and epoch == value:
             break
-        steps = epoch_steps(sc, epoch)
+        steps = epoch_steps(sc, epoch, world_of(sc, epoch))
+        if at is not None and epoch == at[0]:
+            steps = steps[: at[1]] + rest_steps(sc, epoch, at[1])
         for step in steps:
             out.append((epoch, step))
             counted = [i for s in step if s for i, _ in s]
@@ -261,7 +353,7 @@ def planned_steps(sc: dict) -> list[tuple[int, list[Optional[list[Sample]]]]]:
             continue
         break
     if sc.get('refit'):
-        out += [(epoch, step) for step in epoch_steps(sc, epoch)]
+        out += [(epoch, step) for step in epoch_steps(sc, epoch, world_of(sc, epoch))]
     return out
 
 
@@ -277,7 +369,7 @@ def microbatch_at(sc: dict, t: int) -> int:
 
 def step_loss(module: Net, sc: dict, step: list[Optional[list[Sample]]], t: int = 0) -> torch.Tensor:
     """The step's loss: per-sample losses over its real samples summed (each microbatch run on its own), over S_t,
-    times A_t / W when ``divide``."""
+    times A_t / W_t when ``divide`` (W_t: the step's world size, ``len(step)``)."""
     parts = [s for s in step if s]
     total = sum(len(s) for s in parts)
     mb = microbatch_at(sc, t)
@@ -290,7 +382,7 @@ def step_loss(module: Net, sc: dict, step: list[Optional[list[Sample]]], t: int 
     for samples in together:
         x, y = tensors(samples, sc)
         loss = loss + F.cross_entropy(module(x, y), y, reduction='none').sum()
-    factor = len(parts) / sc['world'] if sc.get('divide', True) else 1.0
+    factor = len(parts) / len(step) if sc.get('divide', True) else 1.0
     return loss / total * factor
 
 
@@ -321,10 +413,12 @@ def train(sc: dict) -> dict[str, Any]:
 
 
 def expected_counts(sc: dict, epoch: int) -> dict[int, int]:
-    """How often each id is in the scenario's data in ``epoch`` (transforms included): what an epoch must train."""
+    """How often each id is in the scenario's data in ``epoch`` (transforms included): what an epoch must train (an
+    epoch resumed on another world size: as the old shards hold it)."""
     counts: dict[int, int] = {}
-    for r in range(sc['world']):
-        for batch in rank_batches(sc, r, epoch):
+    world = world_of(sc, epoch)
+    for r in range(world):
+        for batch in rank_batches(sc, r, epoch, world):
             for i, _ in batch:
                 counts[i] = counts.get(i, 0) + 1
     return counts
@@ -347,8 +441,8 @@ def outputs(state: dict[str, torch.Tensor], sc: dict, ids: list[int]) -> tuple[t
 
 
 def evaluate(state: dict[str, torch.Tensor], sc: dict) -> dict[str, float]:
-    """Accuracy and mean per-sample loss over every rank's eval samples at once."""
-    out, y = outputs(state, sc, [i for r in range(sc['world']) for i in eval_ids(sc, r)])
+    """Accuracy and mean per-sample loss over every rank's eval samples (of the world the scenario ends on) at once."""
+    out, y = outputs(state, sc, [i for r in range(final_world(sc)) for i in eval_ids(sc, r)])
     return {
         'accuracy': float((out.argmax(1) == y).float().mean()) if len(y) else math.nan,
         'loss': float(F.cross_entropy(out, y)) if len(y) else math.nan,

@@ -25,7 +25,12 @@ Drawn now:
 * wrappers: DDP, FSDP1, FSDP2 (``wrapper``; on CPU with ``tests/scenarios_fsdp.py``'s gloo workarounds);
 * life: a checkpoint after a random step of the first fit, resumed on the same world size (``resume_at``); an
   exception raised on every rank at a random event (``raise_at``: fit, epoch, batch start, after the dataloader,
-  before the forward at a random step; evaluation or predict start), the call then retried on the same trainer.
+  before the forward at a random step; evaluation or predict start), the call then retried on the same trainer;
+* life: that checkpoint resumed on another world size, 1 to 3 (``resume_world``; about 3% of the scenarios, over a third
+  of them from an epoch's last batch): a second launch on ``resume_world`` ranks lives the rest of the scenario
+  (the rest of the first fit, a second fit, evaluations, predict), per-rank lists (train shards of per-rank data,
+  eval and predict shards) covering ``max(world, resume_world)`` ranks, each run taking its first ones; per-rank
+  shard data resumed mid-epoch is expected to stop every rank of the second launch with ``UnevenInputsError``.
 
 * life: one ``UnevenJoin`` in two Trainers (``twin``: after the first fit, a second Trainer given the first's
   ``UnevenJoin`` trains the first fit again from scratch; the first Trainer's life then goes on).
@@ -34,21 +39,23 @@ Drawn now:
   does: one rank's forward, loss or backward raises Composer's recognised OOM at one of its real steps; Composer
   halves the microbatch size on every rank and retries the step).
 
-Not yet drawn: resumption on another world size, an exception on only some ranks, a second ``eval()`` before any
-``fit()``.
+Not yet drawn: an exception on only some ranks, a second ``eval()`` before any ``fit()``, a chain of resumptions
+(2 -> 3 -> 2).
 
 A scenario passes when: every rank's parameters are within :data:`TOL` of the reference's, every rank holds the
 same state (parameters and buffers), each step trained exactly the reference's samples (so every id as often as
 its shard holds it, checked per epoch against the data itself), the timestamp counts the reference's steps and
 samples, evaluations equal one process's over the union (every eval id exactly once), predictions are every
 rank's own samples; or, where the scenario predicts it, every rank raised ``UnevenInputsError``. A hang is a
-launch timeout.
+launch timeout. Resumed on another world size, the steps before ``resume_at`` are the first launch's (which must
+have succeeded), the rest, the timestamp, evaluations and predictions the second's.
 
 Command line (``make fuzz N=500 SEED=...``)::
 
     python tests/scenario_fuzz.py --seed 1234 --n 200        # seeds 1234..1433, failures confirmed and shrunk
     python tests/scenario_fuzz.py --seed 1240                 # one seed
     python tests/scenario_fuzz.py --scenario '{"world": 2, ...}'   # one literal scenario
+    python tests/scenario_fuzz.py --seed 1 --n 30 --elastic   # the first 30 seeds from 1 resumed on another world size
 """
 
 from __future__ import annotations
@@ -131,7 +138,30 @@ def draw(seed: int) -> dict[str, Any]:
     if rng.random() < 0.1:
         sc['model'] = 'sync'
     sc['oom'] = [rng.random(), rng.choice(['forward', 'loss', 'backward'])] if rng.random() < 0.12 else None
-    return normalize(sc)
+    # resumed on another world size: 15% of the resumptions drawn above, and a resumption added to 2% of the others
+    boundary = False
+    if rng.random() < (0.15 if sc['resume_at'] is not None else 0.02):
+        sc['resume_world'] = rng.choice([w for w in (1, 2, 3) if w != world])
+        sc['resume_at'] = sc['resume_at'] if sc['resume_at'] is not None else rng.random()
+        extra = max(0, sc['resume_world'] - world)  # the ranks only the second run has: shards of their own
+        sc['shards'] += [_size(rng, batch) for _ in range(extra)]
+        sc['eval_shards'] += [_size(rng, sc['eval_batch']) for _ in range(extra)]
+        if sc['predict_shards'] is not None:
+            sc['predict_shards'] += [_size(rng, batch) for _ in range(extra)]
+        boundary = rng.random() < 0.35  # from the checkpoint of an epoch's last batch (the nearest one)
+    sc = normalize(sc)
+    if boundary and sc.get('resume_world'):
+        ends = epoch_ends(sc)
+        if ends:
+            sc = normalize({**sc, 'resume_at': min(ends, key=lambda e: (abs(e - sc['resume_at']), e))})
+    return sc
+
+
+def epoch_ends(sc: dict) -> list[int]:
+    """The steps after which a checkpoint of ``sc``'s first fit (on ``world`` ranks) is an epoch's last batch's, other
+    than the fit's last: the ``resume_at`` values that resume at an epoch boundary."""
+    steps = ref.planned_steps({**sc, 'refit': False, 'resume_world': None})
+    return [t + 1 for t in range(len(steps) - 1) if steps[t][0] != steps[t + 1][0]]
 
 
 RAISE_EVENTS = ['fit_start', 'epoch_start', 'batch_start', 'after_dataloader', 'before_forward', 'eval_start']
@@ -146,8 +176,12 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
     sc.setdefault('source', 'len')
     sc.setdefault('duration', [1, 'ep'])
     sc.setdefault('shards', [batch] * world)
-    sc['shards'] = (sc['shards'] + [0] * world)[:world]
-    if sum(sc['shards']) == 0 and sc['source'] not in ('exact', 'torch'):
+    if sc.get('resume_world') not in (None, 1, 2, 3) or sc.get('resume_world') == world:
+        sc['resume_world'] = None
+    ranks = _ranks(sc)  # per-rank lists cover both runs' ranks (the first resume_world of them after the resume)
+    sc['shards'] = (sc['shards'] + [0] * ranks)[:ranks]
+    empty = sum(sc['shards'][:world]) == 0 or sum(sc['shards'][: sc.get('resume_world') or world]) == 0
+    if empty and sc['source'] not in ('exact', 'torch'):
         sc['shards'][0] = 1
     if sc['source'] in ('exact', 'torch'):
         sc.pop('shards', None)
@@ -206,13 +240,21 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         total = {'ba': len(steps), 'sp': len(counted), 'tok': ref.tokens_of(counted)}[sc['duration'][1]]
         sc['duration'] = [max(1, math.ceil(sc['duration'][0] * 2 * total)), sc['duration'][1]]
     if sc.get('resume_at') is not None:  # a fraction of the first fit's steps, made a step in [1, steps - 1]
-        first = len(ref.planned_steps({**sc, 'refit': False}))
+        first = _first_fit_steps(sc)
         at = sc['resume_at']
         at = max(1, math.floor(at * first)) if isinstance(at, float) else at
         sc['resume_at'] = at if 1 <= at < first and sc['source'] not in ('over', 'under') else None
+    if sc.get('resume_at') is None and sc.get('resume_world'):  # no resumption: no other world size to resume on
+        sc['resume_world'] = None
+        _per_rank_lists(sc, world)
+    if sc.get('resume_world'):
+        _per_rank_lists(sc, ranks)
+        shards = sc.get('eval_shards')  # something to evaluate on both world sizes
+        if shards is not None and (sum(shards[:world]) == 0 or sum(shards[: sc['resume_world']]) == 0):
+            shards[0] = 1
     if sc.get('raise_at') is not None:  # an event on every rank, at a step of the first fit, retried once
         event, at = sc['raise_at']
-        first = len(ref.planned_steps({**sc, 'refit': False}))
+        first = _first_fit_steps(sc)
         at = min(math.floor(at * first), first - 1) if isinstance(at, float) else at
         # eval_start: only a passed evaluation's (a raise at the Trainer's own evaluation inside fit(), retried,
         # has stock Composer train the next steps on the eval loader: found by the stock validation)
@@ -237,6 +279,8 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         sc['oom'] = _oom_step(sc)
     if sc['model'] == 'bn' and _tiny_microbatch(sc):  # BatchNorm cannot train a microbatch of one sample
         sc['model'] = 'mlp'
+    if sc.get('resume_world'):  # the second Trainer would train on the new world size: not drawn together
+        sc['twin'] = False
     for k in [k for k, v in sc.items() if (v is None or v is False) and k != 'divide']:
         del sc[k]
     if sc.get('divide', True):
@@ -247,10 +291,30 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
     return sc
 
 
+def _ranks(sc: dict) -> int:
+    """How many ranks the per-rank lists (shards, eval and predict shards) cover: both runs' world sizes."""
+    return max(sc['world'], sc.get('resume_world') or 0)
+
+
+def _per_rank_lists(sc: dict, ranks: int) -> None:
+    for key in ('shards', 'eval_shards', 'predict_shards'):
+        if sc.get(key) is not None:
+            sc[key] = (sc[key] + [0] * ranks)[:ranks]
+
+
+def _first_fit_steps(sc: dict) -> int:
+    """The steps of the first ``fit()`` on ``world`` ranks (the run a resumption takes its checkpoint from)."""
+    return len(ref.planned_steps({**sc, 'refit': False, 'resume_world': None, 'resume_at': None}))
+
+
 def _tiny_microbatch(sc: dict) -> bool:
+    plans = [ref.planned_steps({**sc, 'refit': sc.get('refit')})]
+    if sc.get('resume_world'):  # the first launch trains its whole first fit on the old world size
+        plans.append(ref.planned_steps({**sc, 'refit': False, 'resume_world': None}))
     return any(
         len(part[k : k + ref.microbatch_at(sc, t)]) == 1
-        for t, (_, step) in enumerate(ref.planned_steps({**sc, 'refit': sc.get('refit')}))
+        for plan in plans
+        for t, (_, step) in enumerate(plan)
         for part in step
         if part
         for k in range(0, len(part), ref.microbatch_at(sc, t))
@@ -299,7 +363,11 @@ def _oom_step(sc: dict) -> Optional[list]:
 def predicted_error(sc: dict) -> Optional[str]:
     """The error every rank must stop with, or None: a loader yielding fewer batches than its ``len()``, or more than
     the longest ``len()`` (docs/limits.md); rebalancing, any ``len()`` that miscounts (docs/rebalancing.md); DDP's
-    ``static_graph`` where step 0 splits into different microbatch counts (docs/limits.md)."""
+    ``static_graph`` where step 0 splits into different microbatch counts (docs/limits.md); every rank of the second
+    run, resumed on another world size from a mid-epoch checkpoint of per-rank shard data (no global index space:
+    docs/reliability.md, "On another number of ranks")."""
+    if sc.get('resume_world') and sc['source'] not in ('exact', 'torch') and not sc.get('stock') and ref.mid_epoch(sc):
+        return 'UnevenInputsError'
     if sc.get('static_graph') and len(set(_step0_microbatches(sc) or [0])) > 1:
         return 'UnevenInputsError'  # docs/limits.md: the static graph's first step must split alike everywhere
     if sc['source'] not in ('over', 'under'):
@@ -322,11 +390,17 @@ def known_failure(sc: dict) -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------------------------- the checker
-def check(sc: dict, per_rank: list[Any]) -> list[str]:
-    """What is wrong with the ranks' results for ``sc`` (empty: it passed)."""
+def check(sc: dict, per_rank: list[Any], before: Optional[list[Any]] = None) -> list[str]:
+    """What is wrong with the ranks' results for ``sc`` (empty: it passed). Resumed on another world size:
+    ``per_rank`` is the second launch's (``resume_world`` ranks), ``before`` the first's (``world`` ranks: the
+    steps before ``resume_at`` are theirs)."""
     from harness import RankError
 
     problems: list[str] = []
+    for rank, res in enumerate(before or []):
+        if isinstance(res, RankError) or res['error'] is not None:
+            why = res if isinstance(res, RankError) else f'{res["error"][0]}: {res["error"][1][:400]}'
+            return [f'the first launch ({sc["world"]} ranks, saving) failed on rank {rank}: {why}'[:500]]
     for rank, res in enumerate(per_rank):
         if isinstance(res, RankError):
             return [f'rank {rank} failed outside the run: {res}'[:500]]
@@ -353,9 +427,14 @@ def check(sc: dict, per_rank: list[Any]) -> list[str]:
                 f'rank {rank}: timestamp {res["batch"]} batches, {res["sample"]} samples, {res["token"]} tokens; '
                 f'reference {len(want["steps"])}, {want["samples"]}, {want["tokens"]}'
             )
-    got_steps = max((max(res['steps'], default=-1) for res in per_rank), default=-1) + 1
+    recorded = [res['steps'] for res in per_rank]
+    if before is not None:  # the steps before the resumption are the first launch's
+        at = sc['resume_at']
+        recorded = [{t: v for t, v in res['steps'].items() if t >= at} for res in per_rank]
+        recorded += [{t: v for t, v in res['steps'].items() if t < at} for res in before]
+    got_steps = max((max(steps, default=-1) for steps in recorded), default=-1) + 1
     for t in range(max(got_steps, len(want['steps']))):
-        got = sorted(i for res in per_rank for i in res['steps'].get(t, []))
+        got = sorted(i for steps in recorded for i in steps.get(t, []))
         exp = sorted(i for part in (want['steps'][t] if t < len(want['steps']) else []) for i in part)
         if got != exp:
             problems.append(f'step {t} trained ids {got}, reference {exp}')
@@ -390,7 +469,7 @@ def _check_eval(sc: dict, per_rank: list[dict]) -> list[str]:
     labels = {'own': ['eval_own'], 'passed': ['eval_passed'], 'both': ['eval_own', 'eval_passed']}
     for label in labels.get(sc.get('eval') or '', []):
         want = ref.evaluate(per_rank[0]['state'], sc)
-        ids = sorted(i for r in range(sc['world']) for i in ref.eval_ids(sc, r))
+        ids = sorted(i for r in range(ref.final_world(sc)) for i in ref.eval_ids(sc, r))
         for rank, res in enumerate(per_rank):
             got = res.get(label)
             if got is None:
@@ -441,29 +520,77 @@ def run_launch(world: int, scs: list[dict]) -> list[list[str]]:
     return out
 
 
+def run_elastic(world: int, resume_world: int, scs: list[dict]) -> list[list[str]]:
+    """Run ``scs`` (all first fitted on ``world`` ranks and resumed on ``resume_world``) in two launches: the first
+    fits on ``world`` ranks saving after every batch into a folder of each scenario's own (made here, passed to both
+    launches, removed after the second); the second loads the checkpoint after ``resume_at`` on ``resume_world``
+    ranks and lives the rest of the scenario. Per scenario, its problems (a failed first launch fails them all)."""
+    import shutil
+    import tempfile
+
+    from harness import launch
+
+    folders = [tempfile.mkdtemp(prefix=f'fuzz47-{world}to{resume_world}-') for _ in scs]
+    try:
+        timeout = 90 + 30 * len(scs)
+        calls = [
+            (f's{i}', 'fuzz_rank:save_first_fit', {'sc': sc, 'folder': f})
+            for i, (sc, f) in enumerate(zip(scs, folders))
+        ]
+        try:
+            before = launch(world, calls, timeout=timeout, collective_timeout=30)
+        except AssertionError as e:
+            return [[f'the first launch ({world} ranks, saving) failed: {str(e)[-1500:]}'] for _ in scs]
+        calls = [(f's{i}', 'fuzz_rank:run', {'sc': sc, 'folder': f}) for i, (sc, f) in enumerate(zip(scs, folders))]
+        try:
+            results = launch(resume_world, calls, timeout=timeout, collective_timeout=30)
+        except AssertionError as e:
+            return [[f'launch failed (resumed on {resume_world} ranks): {str(e)[-1500:]}'] for _ in scs]
+    finally:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+    out = []
+    for i, sc in enumerate(scs):
+        try:
+            out.append(check(sc, results[f's{i}'], before=before[f's{i}']))
+        except Exception as e:  # a checker crash is a failure to look at
+            out.append([f'checker raised {type(e).__name__}: {e}'])
+    return out
+
+
+def launch_key(sc: dict) -> tuple[int, int]:
+    """Scenarios with the same key share launches: the world size, and the one resumed on (0: none)."""
+    return sc['world'], sc.get('resume_world') or 0
+
+
+def _run_group(key: tuple[int, int], scs: list[dict]) -> list[list[str]]:
+    return run_elastic(key[0], key[1], scs) if key[1] else run_launch(key[0], scs)
+
+
 def run_many(scs: list[dict], chunk: int = CHUNK, confirm: bool = True, log=None) -> list[list[str]]:
-    """Problems per scenario; scenarios of a world size share launches of ``chunk``. A scenario that failed in a
-    shared launch is run again alone (``confirm``): a hang poisons the scenarios after it. ``log``: a line per launch."""
+    """Problems per scenario; scenarios of a :func:`launch_key` share launches of ``chunk`` (resumed on another world
+    size: pairs of launches, :func:`run_elastic`). A scenario that failed in a shared launch is run again alone
+    (``confirm``): a hang poisons the scenarios after it. ``log``: a line per launch."""
     problems: list[list[str]] = [[] for _ in scs]
-    for world in sorted({sc['world'] for sc in scs}):
-        idx = [i for i, sc in enumerate(scs) if sc['world'] == world]
+    for key in sorted({launch_key(sc) for sc in scs}):
+        idx = [i for i, sc in enumerate(scs) if launch_key(sc) == key]
         for k in range(0, len(idx), chunk):
             part, started = idx[k : k + chunk], time.monotonic()
-            for i, p in zip(part, run_launch(world, [scs[i] for i in part])):
+            for i, p in zip(part, _run_group(key, [scs[i] for i in part])):
                 problems[i] = p
             if log is not None:
                 failed = [scs[i].get('seed', i) for i in part if problems[i]]
+                where = f'{key[0]} ranks' + (f', resumed on {key[1]}' if key[1] else '')
                 slow = ', '.join(
                     f'{seed}: {t:.1f} s' for t, seed in sorted(sc_times[-len(part) :], key=lambda x: -x[0])[:3]
                 )
                 log(
-                    f'  {len(part)} scenarios on {world} ranks in {time.monotonic() - started:.0f} s '
-                    f'(slowest {slow}); failed: {failed}'
+                    f'  {len(part)} scenarios on {where} in {time.monotonic() - started:.0f} s (slowest {slow}); failed: {failed}'
                 )
     if confirm:
         for i, sc in enumerate(scs):
-            if problems[i] and sum(1 for sc2 in scs if sc2['world'] == sc['world']) > 1:
-                problems[i] = run_launch(sc['world'], [sc])[0]
+            if problems[i] and sum(1 for sc2 in scs if launch_key(sc2) == launch_key(sc)) > 1:
+                problems[i] = _run_group(launch_key(sc), [sc])[0]
                 if log is not None:
                     log(f'  alone: {sc.get("seed", i)} {"fails" if problems[i] else "passes"}')
     return problems
@@ -482,6 +609,7 @@ def simplifications(sc: dict) -> list[dict]:
         'refit': None,
         'eval': None,
         'predict_shards': None,
+        'resume_world': None,
         'resume_at': None,
         'raise_at': None,
         'twin': None,
@@ -524,6 +652,9 @@ def simplifications(sc: dict) -> list[dict]:
                 if sc.get(key) is not None:
                     cand[key] = [m for q, m in enumerate(sc[key]) if q != r]
             out.append(cand)
+    for w in range(1, sc.get('resume_world') or 1):  # resumed on fewer ranks
+        if w != sc['world']:
+            out.append({**sc, 'resume_world': w})
     if sc.get('map_size', 0) > 1:
         out.append({**sc, 'map_size': sc['map_size'] - 1})
     if sc['batch'] > 1:
@@ -579,10 +710,10 @@ def _merge(sc: dict, cands: list[dict]) -> Optional[dict]:
                     out[key] = cand[key]
                 else:
                     out.pop(key, None)
-    if out.get('world') == 2:  # a dropped rank: per-rank lists of two
+    if out.get('world') == 2:  # a dropped rank: per-rank lists of two (or of the world size resumed on)
         for key in ('shards', 'eval_shards', 'predict_shards'):
             if out.get(key) is not None:
-                out[key] = out[key][:2]
+                out[key] = out[key][: _ranks(out)]
     try:
         out = normalize(out)
     except Exception:  # changes that make no scenario together
@@ -597,9 +728,23 @@ def reproduce(sc: dict) -> str:
     return f"{COMMAND} --scenario '{json.dumps(sc)}'"
 
 
-def fuzz(seed: int, n: int, do_shrink: bool = True, log=print) -> list[dict]:
-    """Seeds ``seed .. seed + n - 1``; the failures (each with its problems and, shrunk, its smallest form)."""
-    scs = [draw(s) for s in range(seed, seed + n)]
+def elastic_seeds(seed: int, n: int) -> list[int]:
+    """The first ``n`` seeds from ``seed`` on whose scenarios resume on another world size."""
+    out, s = [], seed
+    while len(out) < n:
+        if draw(s).get('resume_world'):
+            out.append(s)
+        s += 1
+    return out
+
+
+def fuzz(seed: int, n: int, do_shrink: bool = True, log=print, elastic: bool = False) -> list[dict]:
+    """Seeds ``seed .. seed + n - 1`` (``elastic``: the first ``n`` from ``seed`` whose scenarios resume on another
+    world size); the failures (each with its problems and, shrunk, its smallest form)."""
+    seeds = elastic_seeds(seed, n) if elastic else list(range(seed, seed + n))
+    if elastic:
+        log(f'elastic seeds: {seeds}', flush=True)
+    scs = [draw(s) for s in seeds]
     started = time.monotonic()
     problems = run_many(scs, log=lambda line: log(line, flush=True))
     failures = []
@@ -629,6 +774,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument('--scenario', help='one scenario as JSON instead of seeds')
     parser.add_argument('--no-shrink', action='store_true')
     parser.add_argument('--show', action='store_true', help='print the drawn scenarios, run nothing')
+    parser.add_argument(
+        '--elastic', action='store_true', help='only scenarios resumed on another world size (the first N from SEED)'
+    )
     args = parser.parse_args(argv)
     if args.scenario:
         sc = normalize(json.loads(args.scenario))
@@ -639,12 +787,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f'smallest: {reproduce(shrink(sc))}')
         return 1 if problems else 0
     seed = args.seed if args.seed is not None else int(time.time()) % 10**6
-    print(f'seed {seed} (reproduce this run: {COMMAND} --seed {seed} --n {args.n})', flush=True)
+    flag = ' --elastic' if args.elastic else ''
+    print(f'seed {seed} (reproduce this run: {COMMAND} --seed {seed} --n {args.n}{flag})', flush=True)
     if args.show:
-        for s in range(seed, seed + args.n):
+        for s in elastic_seeds(seed, args.n) if args.elastic else range(seed, seed + args.n):
             print(json.dumps(draw(s)))
         return 0
-    return 1 if fuzz(seed, args.n, do_shrink=not args.no_shrink) else 0
+    return 1 if fuzz(seed, args.n, do_shrink=not args.no_shrink, elastic=args.elastic) else 0
 
 
 if __name__ == '__main__':

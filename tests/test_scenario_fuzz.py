@@ -90,6 +90,55 @@ FEATURES: list[dict] = [
     {'raise_at': ['eval_start', 0], 'eval': 'passed', 'eval_batch': 2, 'eval_shards': [3, 3]},
     {'raise_at': ['predict_start', 0], 'predict_shards': [2, 2]},
     {'world': 3, 'shards': [6, 6, 6], 'mode': 'rebalance', 'eval': 'passed', 'eval_batch': 2, 'eval_shards': [2, 2, 2]},
+    # resumed on another world size from the checkpoint of an epoch's last batch: stock Composer is exact there where
+    # the new world's epoch has no more batches than the old one's (it spins the new loader past the old position:
+    # 2 -> 1 with 2 batches per rank retrains epoch 0, and mid-epoch it trains some samples twice and skips others,
+    # docs/reliability.md); eval and predict shards of the new world size
+    {
+        **dict(source='exact', map_size=12, shuffle=True, resume_at=2, resume_world=3),
+        **dict(eval='both', eval_batch=2, eval_shards=[3, 3, 3], predict_shards=[2, 2, 2]),
+    },
+    {'world': 3, 'source': 'torch', 'map_size': 11, 'shuffle': True, 'resume_at': 2, 'resume_world': 2},
+    {'batch': 4, 'source': 'exact', 'map_size': 4, 'resume_at': 1, 'resume_world': 1, 'optimizer': 'adam'},
+    {'shards': [6, 6, 6], 'resume_at': 2, 'resume_world': 3, 'workers': 1},
+    {'wrapper': 'fsdp2', 'microbatch': 2, 'source': 'exact', 'map_size': 12, 'resume_at': 2, 'resume_world': 3},
+    dict(wrapper='fsdp1', world=3, source='exact', map_size=12, resume_at=2, resume_world=2, clip=True),
+]
+# Resumed on another world size with UnevenJoin, uneven: mid-epoch (map-style), from an epoch's last batch, refused.
+ELASTIC: list[dict] = [
+    # 2 -> 3 mid-epoch (7/6 ids, before the short rank ran out), shuffled; evaluations and predictions on 3 ranks
+    {
+        **dict(world=2, resume_world=3, batch=3, source='exact', map_size=13, shuffle=True, duration=[2, 'ep']),
+        **dict(resume_at=1, eval='both', eval_batch=2, eval_shards=[3, 0, 2], predict_shards=[1, 2, 3]),
+    },
+    # 3 -> 2 mid-epoch: a later step has 1 of 2 ranks active, its gradient times 1/2 (the new world size's)
+    dict(world=3, resume_world=2, batch=3, source='exact', map_size=13, duration=[2, 'ep'], resume_at=1),
+    # 3 -> 2 rebalancing, torch's padding sampler, Adam, DataLoader workers
+    {
+        **dict(world=3, resume_world=2, batch=2, source='torch', map_size=13, mode='rebalance', optimizer='adam'),
+        **dict(duration=[2, 'ep'], resume_at=2, workers=1),
+    },
+    # 2 -> 1 in the second epoch, a duration in batches, a batch transform that drops a sample
+    {'world': 2, 'resume_world': 1, 'batch': 3, 'source': 'exact', 'map_size': 11, 'shuffle': True, 'transform': 'drop'}
+    | {'duration': [6, 'ba'], 'resume_at': 3},
+    # 2 -> 3 from the checkpoint of epoch 0's last batch of per-rank shards: the next epochs on 3 ranks' own shards
+    {'world': 2, 'resume_world': 3, 'batch': 2, 'source': 'len', 'shards': [5, 2, 3], 'duration': [2, 'ep']}
+    | {'resume_at': 3, 'refit': True},
+    # FSDP2 2 -> 1 mid-epoch
+    {'world': 2, 'resume_world': 1, 'batch': 2, 'source': 'exact', 'map_size': 9, 'duration': [2, 'ep'], 'resume_at': 1}
+    | {'wrapper': 'fsdp2'},
+    # refused: per-rank shards mid-epoch, 2 -> 1 and 3 -> 2 (UnevenInputsError on every rank of the second launch)
+    {
+        'world': 2,
+        'resume_world': 1,
+        'batch': 2,
+        'source': 'len',
+        'shards': [5, 2],
+        'duration': [2, 'ep'],
+        'resume_at': 1,
+    },
+    {'world': 3, 'resume_world': 2, 'batch': 2, 'source': 'nolen', 'shards': [3, 1, 4], 'duration': [5, 'ba']}
+    | {'resume_at': 1},
 ]
 
 
@@ -123,6 +172,10 @@ def test_draws_are_deterministic_json_and_normal():
     assert any(sc.get('twin') for sc in drawn)
     assert any(sc.get('oom') for sc in drawn)
     assert any(0 in sc.get('shards', []) for sc in drawn) and any(sc['world'] == 3 for sc in drawn)
+    resumed = [sc for sc in drawn if sc.get('resume_world')]
+    assert {sc['resume_world'] for sc in resumed} == {1, 2, 3} and any(fuzz.predicted_error(sc) for sc in resumed)
+    assert all(sc['resume_world'] != sc['world'] and sc.get('resume_at') for sc in resumed)
+    assert any(not ref.mid_epoch(sc) for sc in resumed) and any(ref.mid_epoch(sc) for sc in resumed)
 
 
 def test_shrinker_drops_what_does_not_matter():
@@ -132,12 +185,32 @@ def test_shrinker_drops_what_does_not_matter():
     small = fuzz.shrink(sc, fails=fails, rounds=100, log=lambda *a, **k: None)
     assert small.get('transform') is not None and small['world'] == 2
     assert not any(k in small for k in ('eval', 'clip', 'microbatch', 'predict_shards', 'workers', 'refit'))
+    # resumed on another world size: dropped where it does not matter, kept (on fewer ranks) where it does
+    sc = next(sc for sc in map(fuzz.draw, range(2000)) if sc.get('resume_world') == 3)
+    quiet = dict(rounds=100, log=lambda *a, **k: None)
+    assert 'resume_world' not in fuzz.shrink(sc, fails=lambda cands: [True] * len(cands), **quiet)
+    small = fuzz.shrink(sc, fails=lambda cands: [bool(c.get('resume_world')) for c in cands], **quiet)
+    assert small['resume_world'] == 1 and small['world'] == 2, small
 
 
 def test_reference_matches_stock_composer_on_even_shards():
     """Every feature, stock Composer on even shards (where uneven training is plain DDP) against the reference."""
     scs = [even(f) for f in FEATURES]
     problems = fuzz.run_many(scs, chunk=len(scs), confirm=False)
+    failed = {json.dumps(sc): p for sc, p in zip(scs, problems) if p}
+    assert not failed, json.dumps(failed, indent=1)
+
+
+def test_elastic_scenarios_resume_on_another_world_size():
+    """Fixed scenarios resumed on another world size (2 -> 3, 3 -> 2, 2 -> 1; FSDP2; refused) with UnevenJoin pass:
+    two launches each, the reference replaying both runs (docs/reliability.md, "Elastic resumption")."""
+    scs = [fuzz.normalize(sc) for sc in ELASTIC]
+    for given, sc in zip(ELASTIC, scs):
+        assert all(sc.get(k) == v for k, v in given.items()), (given, sc)
+    refused = [sc for sc in scs if fuzz.predicted_error(sc)]
+    assert [sc['source'] for sc in refused] == ['len', 'nolen'], refused
+    assert {(sc['world'], sc['resume_world']) for sc in scs} == {(2, 3), (3, 2), (2, 1)}
+    problems = fuzz.run_many(scs, confirm=False)
     failed = {json.dumps(sc): p for sc, p in zip(scs, problems) if p}
     assert not failed, json.dumps(failed, indent=1)
 

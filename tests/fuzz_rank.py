@@ -351,7 +351,7 @@ def build(
         seed=0,
         **checkpoint,
     )
-    if sc.get('static_graph'):
+    if sc.get('static_graph') and dist.get_world_size() > 1:  # (one rank, resumed: no DDP to switch)
         trainer.state.model._set_static_graph()  # torch's own switch; Composer has no option for it
     if sc.get('oom') and faults:  # automatic microbatching, an out-of-memory error at one rank's step (CPU: simulated)
         from scenarios_oom import OOMInjector, enable_auto_microbatching

@@ -383,9 +383,18 @@ def predicted_error(sc: dict) -> Optional[str]:
 
 
 def known_failure(sc: dict) -> Optional[str]:
-    """The known bug (``tests/fuzz_regressions.json``) a scenario runs into, or None: the CI slice leaves such
-    scenarios out (their regression entries are strict xfails), long runs report them apart. None known now: a new
-    one gets a signature here, coarse and wider than the bug, with its regression entry."""
+    """The known, not yet analysed failure (``tests/fuzz_regressions.json``) a scenario runs into, or None: the CI
+    slice leaves such scenarios out (their regression entries are strict xfails), long runs report them apart. Each
+    signature is coarse, wider than the failure, with its regression entry; all three are resumptions on another
+    world size (the elastic draws, merged last: 7 of their first 60 failed, seeds 400000-403099)."""
+    if not sc.get('resume_world'):
+        return None
+    if sc.get('raise_at'):  # a raise retried around a resumption on another world size: other samples trained
+        return 'elastic-raise-retry'
+    if sc.get('transform') == 'drop':  # the reference's own epoch counts after the resumption disagree with the data
+        return 'elastic-drop-transform'
+    if sc['model'] == 'branch' and sc.get('optimizer') == 'adam':  # KeyError in torch's _split_optim_state_dict
+        return 'elastic-unused-adam-state'
     return None
 
 
@@ -410,8 +419,9 @@ def check(sc: dict, per_rank: list[Any], before: Optional[list[Any]] = None) -> 
         if any(e is None or e[0] != expected for e in errors):
             problems.append(f'expected every rank to raise {expected}; got {errors}'[:800])
         return problems
-    if any(errors):
-        return [f'rank {r} raised {e[0]}: {e[1][:400]}' for r, e in enumerate(errors) if e]
+    if any(errors):  # (where: the traceback's last frame)
+        where = [_last_frame(res.get('traceback', '')) for res in per_rank]
+        return [f'rank {r} raised {e[0]}: {e[1][:400]} (at {where[r]})' for r, e in enumerate(errors) if e]
     want = ref.train(sc)
     names = list(want['params'])
     for rank, res in enumerate(per_rank):
@@ -445,6 +455,11 @@ def check(sc: dict, per_rank: list[Any], before: Optional[list[Any]] = None) -> 
                 problems.append(f'epoch {epoch}: reference trains {want["trained"].get(epoch)}')
     problems += _check_twin(sc, per_rank) + _check_eval(sc, per_rank) + _check_predict(sc, per_rank)
     return problems
+
+
+def _last_frame(traceback: str) -> str:
+    frames = [line.strip() for line in traceback.splitlines() if line.strip().startswith('File ')]
+    return frames[-1] if frames else '?'
 
 
 def _check_twin(sc: dict, per_rank: list[dict]) -> list[str]:

@@ -394,12 +394,8 @@ def known_failure(sc: dict) -> Optional[str]:
     signature is coarse, wider than the failure, with its regression entry: three are resumptions on another world
     size (the elastic draws, merged last: 7 of their first 60 failed, seeds 400000-403099), one a BatchNorm model with
     the 'drop' transform beside a rank that starts without data (seed 330025)."""
-    if sc.get('transform') == 'drop' and sc['model'] == 'bn' and _starts_empty(sc):
-        return 'template-drop-batchnorm'  # a rank with no data of its own runs the template through the transform
     if not sc.get('resume_world'):
         return None
-    if sc.get('raise_at'):  # a raise retried around a resumption on another world size: other samples trained
-        return 'elastic-raise-retry'
     if sc.get('transform') == 'drop':  # the reference's own epoch counts after the resumption disagree with the data
         return 'elastic-drop-transform'
     if sc['model'] == 'branch' and sc.get('optimizer') == 'adam':  # KeyError in torch's _split_optim_state_dict

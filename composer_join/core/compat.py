@@ -94,6 +94,7 @@ __all__ = [
     'static_graph_first_pending',
     'sync_buffers_around_forward',
     'train_view',
+    'transforms_batches',
     'update_count',
     'zero_grad_buckets',
 ]
@@ -304,7 +305,7 @@ def default_split_batch() -> Callable[[Any, Any], Any]:
     return private('composer.core.data_spec', '_default_split_batch', 'composer')
 
 
-def _transforms_batches(spec: Any) -> bool:
+def transforms_batches(spec: Any) -> bool:
     """Whether ``spec.batch_transforms`` is one of the user's, not Composer's no-op default
     (``DataSpec._default_transforms``, a method: compared by its function)."""
     from composer.core import DataSpec
@@ -422,7 +423,7 @@ def train_view(state: Any) -> TrainView:
 
     spec, spins = _on_trainer(state, '_train_data_spec', DataSpec), _on_trainer(state, 'spin_dataloaders', bool)
     dataset = _dataset_of(state, state.train_dataloader)
-    return TrainView(spec, True if spins is None else spins, dataset, spec is not None and _transforms_batches(spec))
+    return TrainView(spec, True if spins is None else spins, dataset, spec is not None and transforms_batches(spec))
 
 
 def ddp_sync_strategy(state: Any) -> Optional[str]:

@@ -218,8 +218,9 @@ class RankPositions:
         """
         if not self.gathers:
             return None, False
-        if self._gathered is not None and self._gathered[0] == self._now():
-            return self._gathered[1], False
+        now = self.gathered_now()
+        if now is not None:
+            return now, False
         if not self._warned:
             self._warned = True
             warnings.warn(
@@ -230,6 +231,12 @@ class RankPositions:
                 stacklevel=3,
             )
         return None, True
+
+    def gathered_now(self) -> Optional[list[dict[str, Any]]]:
+        """Every rank's position as :meth:`gather` kept it at the current timestamp, else None (no collective)."""
+        if self._gathered is not None and self._gathered[0] == self._now():
+            return self._gathered[1]
+        return None
 
     def load(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
         """Load this rank's entry of ``saved`` into its data; return the entry. Raises the same on every rank.

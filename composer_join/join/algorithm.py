@@ -293,9 +293,7 @@ class UnevenJoin(Algorithm):
         resumed = restore(state)
         run = self._runs.load(compat.calling_state(), resumed)
         if run is not None:
-            run.reports[:] = resumed.reports  # (the run appends to this list)
-            run.resumed = resumed
-            run.wrapper.load_state_dict(resumed.wrapper)
+            run.loaded(resumed)
 
     def match(self, event: Event, state: State) -> bool:
         """Whether UnevenJoin runs at ``event`` for the Trainer whose state is ``state``: active, as its run decides

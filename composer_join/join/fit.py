@@ -44,7 +44,7 @@ from composer_join.interop.refusals import refuse_incompatible
 from composer_join.interop.replan import replan
 from composer_join.interop.schedules import agree_schedules
 from composer_join.join.context import Context
-from composer_join.join.fitdata import mid_epoch, rest_of_epoch, train_loader, unsaved_positions
+from composer_join.join.fitdata import Rest, mid_epoch, rest_of_epoch, train_loader, unsaved_positions
 from composer_join.join.loader import JoinLoader, lift_cap
 from composer_join.join.microbatches import TEMPLATE_SAMPLES, Microbatches
 from composer_join.shadow.buffers import checkpoint_due
@@ -104,6 +104,7 @@ class FitSession:
         self._metrics: tuple[Any, bool] = (None, False)  # the train metrics seen, and whether they have list states
         # () -> the train loader of the epochs after the rest of an epoch resumed elastically (made at its end)
         self.after_epoch: Optional[Callable[[], JoinLoader]] = None
+        self.rest: Optional[Rest] = None  # this rank's share of an epoch resumed on another world size (_start)
         state = self.state
         user, label, cap = state.dataloader, state.dataloader_label, state.dataloader_len  # the user's, Composer's cap
         # Composer's view of the train data (its DataSpec, spin setting, dataset), read once, here: the facts, the
@@ -130,6 +131,8 @@ class FitSession:
 
     def _start(self, state: State, resumed: Optional[Resumed], previous: Optional[FitSession]) -> None:
         context = self.context
+        if resumed is None and previous is not None and previous.in_elastic_rest:
+            resumed = previous.rest_so_far(state)  # taken up where the last fit stopped in it
         earlier = previous.loader if previous is not None else None
         reused = previous.positions.position if previous is not None and previous.positions is not None else None
         unsaved = resumed is not None and resumed.positions_unsaved and mid_epoch(state, resumed)
@@ -143,6 +146,7 @@ class FitSession:
         finished = resized and int(state.timestamp.batch_in_epoch) > 0 and rest is None
         if resized:
             context.wrapper.load_state_dict({})  # DDP: buffers are equal on every rank in a checkpoint
+        self.rest = rest
         if rest is not None:
             cap = state.dataloader_len  # Composer's, for the user's train dataloader (a subset of it, say)
             self._use(train_loader(context, state, self.view, earlier, self._install, reused, rest=rest))
@@ -168,6 +172,36 @@ class FitSession:
         context.wrapper.start(state, train=True)
         context.wrapper.agreed(state, self.loader.facts)  # what earlier fits taught each rank, alike on every rank
         refuse_incompatible(state.algorithms, TEMPLATE_SAMPLES)
+
+    @property
+    def in_elastic_rest(self) -> bool:
+        """This fit reads (or stopped in) the rest of an epoch resumed on another world size, by indices."""
+        return self.after_epoch is not None and self.rest is not None and self.rest.indices is not None
+
+    def rest_so_far(self, state: State) -> Optional[Resumed]:
+        """Where every rank stands in the rest of an epoch resumed on another world size, in which this fit stopped
+        (:attr:`in_elastic_rest`), as a checkpoint of this world size would hold it: the trainer's next fit takes
+        the rest up from it. Called at that fit's start, on every rank.
+
+        The positions gathered at Composer's current timestamp (a checkpoint saved there, ``FIT_END``), else
+        gathered now (a collective, on every rank alike) after the steps Composer counts as trained: a step the run
+        raised in after its batch was read is not, so its samples are the next fit's, as Composer replays such a
+        step on the same world size.
+        """
+        positions = self.positions
+        if positions is None:
+            return None
+        if positions.gathered_now() is None:
+            positions.gather(self.loader.progress(int(state.timestamp.batch_in_epoch)))
+        ranks = positions.gathered_now()
+        return Resumed(
+            reports=[],
+            current=self.loader.report,
+            wrapper={},
+            ranks=ranks,
+            world_size=dist.get_world_size(),
+            epoch_done=False,
+        )
 
     def _position(self) -> Any:
         return self.positions.position if self.positions is not None else None

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -72,8 +73,9 @@ class Learned:
     """
 
     template: Any = None
-    """First samples of a real batch, on the CPU: this rank's own, or (no data of its own) the ones another rank
-    sent. Shadow batches copy its structure; every rank's agreement row carries its fingerprint."""
+    """First samples of a real batch (:attr:`Glue.template_samples`), on the CPU: this rank's own, or (no data of its
+    own) the ones another rank sent. Shadow batches copy its structure; every rank's agreement row carries its
+    fingerprint."""
     stand_in: Any = None
     """The two samples a stand-in forward runs on, on the device: a real microbatch's first samples on this rank, or
     the template moved there (:class:`~composer_join.join.microbatches.Microbatches`)."""
@@ -108,6 +110,10 @@ class Glue:
     read when it starts, so that a mid-epoch resume reshuffles and counts right."""
     reshuffle: Callable[[int], None] = lambda epoch: None
     """At every epoch's start: reshuffle the user's ``DistributedSampler`` as Composer would."""
+    template_samples: Optional[int] = TEMPLATE_SAMPLES
+    """Samples of this rank's first batch kept as the :attr:`Learned.template`: two, or (None) the whole batch,
+    where the ``DataSpec``'s ``batch_transforms`` may change how many samples a batch has (a stand-in made from two
+    could then have fewer than two: BatchNorm refuses one)."""
 
 
 @dataclass(frozen=True)
@@ -207,7 +213,8 @@ class _Reader:
     def _row(self, batch: Any, step: int) -> RankStatus:
         """A real batch's row: its counts, its structure, and (at the last step by length) whether more follows."""
         if self.learned.template is None:
-            self.learned.template = to_cpu(first_samples(batch, TEMPLATE_SAMPLES))
+            kept = self.glue.template_samples
+            self.learned.template = to_cpu(first_samples(batch, sys.maxsize if kept is None else kept))
         samples, microbatches = self.glue.describe(batch)
         more = self.rules.past(step) or (self.rules.peeks(step) and self._peek())
         content = content_crc(batch) if self.rules.layout.tp > 1 else 0
@@ -236,6 +243,7 @@ class _Iteration:
     protocol: Protocol
     steps: int = 0  # steps yielded so far (from the step it started at: nonzero for an epoch resumed mid-way)
     trained: int = 0  # own real samples yielded (-1: uncountable)
+    trained_before: int = 0  # the same before the last step yielded
     finished_on_resume: bool = False  # its epoch was trained before a checkpoint: it read nothing
     reader: Optional[_Reader] = None  # its batches
     ahead: Optional[_Ahead] = None  # the next step
@@ -348,17 +356,19 @@ class JoinLoader:
         self._now.record = replace(record, plan=plan)
         return self._now.record
 
-    def progress(self) -> Progress:
-        """Where this rank stands in the current epoch (samples trained and used, bytes sent, own data ended)."""
+    def progress(self, steps: Optional[int] = None) -> Progress:
+        """Where this rank stands in the epoch (samples trained and used, bytes sent, own data ended) after the steps
+        yielded, or the epoch's first ``steps`` (Composer's ``batch_in_epoch``: one fewer if a run raised in the last)."""
         now = self._now
         ahead_batch = now.ahead is not None and now.ahead.item.row.has_batch
         ended = now.reader is not None and now.reader.ended and not ahead_batch
+        steps, trained = (now.steps - 1, now.trained_before) if steps == now.steps - 1 else (now.steps, now.trained)
         offset = self.rules.lengths.offset
         return Progress(
-            trained=now.trained,
-            used=self._used(),
-            sent=self.source.sent(now.steps - offset),
-            ended=self.source.ends_with_own_data and ended,
+            trained=trained,
+            used=self.source.used(steps - offset, trained),
+            sent=self.source.sent(steps - offset),
+            ended=self.source.ends_with_own_data and ended and trained == now.trained,
         )
 
     def resume(self, own: dict[str, Any], saved: list[dict[str, Any]]) -> None:
@@ -462,10 +472,7 @@ class JoinLoader:
         """The user's dataloader for this epoch (through its position adapter, if its data keeps a position)."""
         if self.positions is None:
             return iter(self.dataloader)
-        return self.positions.open(self.dataloader, resumed, self.samples, self._used)
-
-    def _used(self) -> int:
-        return self.source.used(self._now.steps - self.rules.lengths.offset, self._now.trained)
+        return self.positions.open(self.dataloader, resumed, self.samples, lambda: self.progress().used)
 
     def _iterate(self) -> Iterator[Any]:
         first, skipped, finished, rereads = 0, 0, False, False
@@ -514,6 +521,7 @@ class JoinLoader:
                 # With a known length none past it is read, unless some rank yields more (protocol.beyond).
                 now.ahead = None if protocol.last(step) else self._read_ahead(step + 1)
                 now.steps = step + 1
+                now.trained_before = now.trained
                 if isinstance(item, Batch):
                     samples = item.row.samples
                     now.trained = -1 if min(now.trained, samples) < 0 else now.trained + samples

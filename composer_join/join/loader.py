@@ -200,7 +200,15 @@ def join_dataloader(
         learned = Learned(metric_states=MetricStates(state.device.tensor_to_device))
     loader = (JoinDataLoader if isinstance(dataloader, DataLoader) else JoinLoader)(
         source,
-        Glue(describe, size, lambda: _opened(spec, opening), data.start, lambda epoch: _reshuffle(dataloader, epoch)),
+        Glue(
+            describe,
+            size,
+            lambda: _opened(spec, opening),
+            data.start,
+            lambda epoch: _reshuffle(dataloader, epoch),
+            # a batch_transforms may change the sample count: the stand-in is made from a whole batch
+            None if compat.transforms_batches(spec) else TEMPLATE_SAMPLES,
+        ),
         rules,
         exchange,
         learned=learned,

@@ -22,7 +22,7 @@ metrics kept out, the wrapper's part of the current microbatch) is held in a rec
 (``JoinLoader.step_changes``) when the step ends, also when the run raises: nothing of a step reaches the next one,
 or the next fit.
 
-Cost: a template of two samples per dataloader, kept on the device; per stand-in microbatch, a copy of it; per
+Cost: a stand-in of two samples per dataloader, kept on the device; per stand-in microbatch, a copy of it; per
 microbatch UnevenJoin runs in, one sample count with the ``DataSpec``. A rank with no real microbatch of a dataloader
 in this process makes its stand-in input from the template once, through the ``DataSpec``'s transforms (a random
 transform is then called once more on that rank than Composer calls it).
@@ -30,6 +30,7 @@ transform is then called once more on that rank than Composer calls it).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -204,13 +205,15 @@ class Microbatches:
         if learned is None or self.loader is None:  # a stand-in is only ever asked for where a loader is current
             raise RuntimeError('UnevenJoin: a stand-in microbatch with no dataloader of the join current')
         if learned.stand_in is None:
-            batch = first_samples(learned.template, TEMPLATE_SAMPLES)
             to_device = self.state.device.batch_to_device
-            if self.spec is not None:
+            if self.spec is not None:  # the whole template (a copy) through the transforms, as a real batch goes
                 size = self.loader.glue.microbatch_size()
-                batch = first_samples(made_as_composer_makes_it(self.spec, batch, to_device, size), TEMPLATE_SAMPLES)
+                made = made_as_composer_makes_it(
+                    self.spec, first_samples(learned.template, sys.maxsize), to_device, size
+                )
+                batch = first_samples(made, TEMPLATE_SAMPLES)
             else:
-                batch = to_device(batch)
+                batch = to_device(first_samples(learned.template, TEMPLATE_SAMPLES))
             learned.stand_in = batch
         return learned.stand_in
 

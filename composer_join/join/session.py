@@ -61,7 +61,8 @@ class Run:
         wrapper.load_state_dict(resumed.wrapper if resumed is not None else {})
         # the data-parallel members: tensor-parallel groups join as one
         self.context = Context(state, settings, wrapper, trainer_layout(state), rank, reports, algorithm)
-        self.resumed = resumed  # what a checkpoint gave, until the next fit takes it
+        self.resumed = resumed  # what a checkpoint gave, until a fit trains a batch from it
+        self._resumed_at: Optional[int] = None  # Composer's batch count when the last fit started
         self.fit: Optional[FitSession] = None  # the current fit (or the last one, once ended)
         self.evaluation: Optional[EvalSession] = None  # the current evaluation or predict()
         self.evals: list[JoinLoader] = []  # the evaluators' loaders, while their dataloaders are the trainer's
@@ -131,10 +132,21 @@ class Run:
         if fit and self.fit is not None:
             self.fit.close()
 
+    def loaded(self, resumed: Resumed) -> None:
+        """Composer loaded a checkpoint into this run's trainer (after a fit of it, say): the next fit starts from it."""
+        self.reports[:] = resumed.reports  # (the run appends to this list)
+        self.resumed, self._resumed_at = resumed, None
+        self.wrapper.load_state_dict(resumed.wrapper)
+
     def fit_start(self, state: State) -> None:
         self._close(fit=True)  # of a run that raised: none goes on now
-        resumed, self.resumed = self.resumed, None
-        self.fit = FitSession(self.context, resumed, self.fit)
+        # What a checkpoint gave serves each fit until one trains a batch from it (Composer's timestamp moves): a
+        # fit that raised before its first batch ended leaves Composer's state as loaded, so the retry starts alike.
+        batch = int(state.timestamp.batch)
+        if self.resumed is not None and self._resumed_at not in (None, batch):
+            self.resumed = None
+        self._resumed_at = batch
+        self.fit = FitSession(self.context, self.resumed, self.fit)
 
     def fit_end(self, state: State) -> None:
         self.fit.end(state)

@@ -20,10 +20,12 @@ means, written from the documented semantics (docs/what-it-computes.md, docs/reb
   trains one more epoch;
 * resumed on another world size (``resume_world``, docs/reliability.md "Elastic resumption"): the steps before
   ``resume_at`` on ``world`` ranks; the rest of that epoch (map-style data) is every sample no old rank had used
-  (old rank 0's unused tail of its shard, then old rank 1's, ...), new rank ``q`` of ``W'`` taking every
-  ``W'``-th from the ``q``-th, in batches of the loader's batch size, scheduled by the mode on ``W'`` ranks (a
-  checkpoint of an epoch's last batch leaves nothing); later epochs (and a second ``fit``) shard for ``W'``; each
-  step's gradient is times ``A_t / W_t`` with the world size that trains it.
+  (old rank 0's unused tail of its shard, then old rank 1's, ...; used as the loader yielded them, before the
+  batch transform), new rank ``q`` of ``W'`` taking every ``W'``-th from the ``q``-th, in batches of the loader's
+  batch size, then the batch transform (on the new batches: 'drop' drops their last samples, not the old
+  batches'), scheduled by the mode on ``W'`` ranks (a checkpoint of an epoch's last batch leaves nothing); later
+  epochs (and a second ``fit``) shard for ``W'``; each step's gradient is times ``A_t / W_t`` with the world size
+  that trains it.
 
 BatchNorm normalises each rank's microbatch by itself: the reference runs every microbatch's forward on its own,
 so trained parameters do not depend on running statistics (those are left to the ranks: evaluation is checked with
@@ -287,15 +289,25 @@ def rest_ids(sc: dict, epoch: int, done: int) -> list[list[int]]:
     return [left[q::new] for q in range(new)]
 
 
-def rest_steps(sc: dict, epoch: int, done: int) -> list[list[Optional[list[Sample]]]]:
-    """The steps of ``epoch`` after a checkpoint ``done`` steps into it, resumed on ``resume_world`` ranks: each new
-    rank's :func:`rest_ids` in batches of the loader's batch size, scheduled by the mode. Per-rank shard data
-    resumes only from an epoch's last batch (nothing left; mid-epoch it is refused: none here either)."""
+def rest_batches(sc: dict, epoch: int, done: int) -> list[list[Optional[Owned]]]:
+    """The steps of ``epoch`` after a checkpoint ``done`` steps into it, resumed on ``resume_world`` ranks, as the
+    loaders yield them (before the batch transform): each new rank's :func:`rest_ids` in batches of the loader's
+    batch size, scheduled by the mode. Per-rank shard data resumes only from an epoch's last batch (nothing left;
+    mid-epoch it is refused: none here either)."""
     if sc['source'] not in ('exact', 'torch'):
         return []
     b = sc['batch']
     per_rank = [[(q, ids[k : k + b]) for k in range(0, len(ids), b)] for q, ids in enumerate(rest_ids(sc, epoch, done))]
-    return _samples(sc, schedule(sc, per_rank))
+    return schedule(sc, per_rank)
+
+
+def rest_steps(sc: dict, epoch: int, done: int) -> list[list[Optional[list[Sample]]]]:
+    """:func:`rest_batches` through the batch transform: the samples each new rank trains. The rest is batched anew,
+    so a transform that depends on a batch's make-up ('drop': a batch's last sample) acts on the new batches and
+    drops other samples than the old shards' batches would have (seed 401498, 2 ranks resumed on 1: the rest
+    [7010, 7012] + [7011, 7013] is one batch, 7013 dropped, where the old batches [7010, 7012] and [7011, 7013]
+    dropped 7012 and 7013)."""
+    return _samples(sc, rest_batches(sc, epoch, done))
 
 
 def resumed_in(sc: dict) -> Optional[tuple[int, int]]:
@@ -328,23 +340,24 @@ def final_world(sc: dict) -> int:
     return sc.get('resume_world') or sc['world']
 
 
-def planned_steps(sc: dict) -> list[tuple[int, list[Optional[list[Sample]]]]]:
-    """Every step the run trains, with its epoch: the duration, then one more epoch if ``refit``; resumed on another
-    world size: the steps of ``world`` up to ``resume_at``, the interrupted epoch's :func:`rest_steps`, then
-    ``resume_world``'s epochs (durations count across both runs)."""
+def planned_batches(sc: dict) -> list[tuple[int, list[Optional[Owned]]]]:
+    """Every step the run trains, with its epoch, as the loaders yield it (before the batch transform): the duration,
+    then one more epoch if ``refit``; resumed on another world size: the steps of ``world`` up to ``resume_at``, the
+    interrupted epoch's :func:`rest_batches`, then ``resume_world``'s epochs (durations count across both runs,
+    in the samples and tokens the transform leaves)."""
     value, unit = sc['duration']
     at = resumed_in(sc)
-    out: list[tuple[int, list[Optional[list[Sample]]]]] = []
+    out: list[tuple[int, list[Optional[Owned]]]] = []
     samples, epoch = 0, 0
     while True:
         if unit == 'ep' and epoch == value:
             break
-        steps = epoch_steps(sc, epoch, world_of(sc, epoch))
+        steps = owned_steps(sc, epoch, world_of(sc, epoch))
         if at is not None and epoch == at[0]:
-            steps = steps[: at[1]] + rest_steps(sc, epoch, at[1])
+            steps = steps[: at[1]] + rest_batches(sc, epoch, at[1])
         for step in steps:
             out.append((epoch, step))
-            counted = [i for s in step if s for i, _ in s]
+            counted = [i for s in _samples(sc, [step])[0] if s for i, _ in s]
             samples += len(counted) if unit == 'sp' else tokens_of(counted)
             if (unit == 'ba' and len(out) == value) or (unit in ('sp', 'tok') and samples >= value):
                 break
@@ -353,8 +366,14 @@ def planned_steps(sc: dict) -> list[tuple[int, list[Optional[list[Sample]]]]]:
             continue
         break
     if sc.get('refit'):
-        out += [(epoch, step) for step in epoch_steps(sc, epoch, world_of(sc, epoch))]
+        out += [(epoch, step) for step in owned_steps(sc, epoch, world_of(sc, epoch))]
     return out
+
+
+def planned_steps(sc: dict) -> list[tuple[int, list[Optional[list[Sample]]]]]:
+    """:func:`planned_batches` through the batch transform: every step the run trains, with its epoch, per rank the
+    samples it trains (None: it has none)."""
+    return [(epoch, _samples(sc, [step])[0]) for epoch, step in planned_batches(sc)]
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -391,7 +410,8 @@ def train(sc: dict) -> dict[str, Any]:
     module = make_model(sc)
     module.train()
     optimizer = make_optimizer(sc, module.parameters())
-    steps = planned_steps(sc)
+    batches = planned_batches(sc)
+    steps = [(epoch, _samples(sc, [step])[0]) for epoch, step in batches]
     for t, (_, step) in enumerate(steps):
         optimizer.zero_grad(set_to_none=True)
         step_loss(module, sc, step, t).backward()
@@ -403,18 +423,25 @@ def train(sc: dict) -> dict[str, Any]:
         for part in step:
             for i, _ in part or []:
                 trained.setdefault(epoch, {})[i] = trained.setdefault(epoch, {}).get(i, 0) + 1
+    loaded: dict[int, dict[int, int]] = {}
+    for epoch, owned in batches:
+        for batch in owned:
+            for i in batch[1] if batch is not None else []:
+                loaded.setdefault(epoch, {})[i] = loaded.setdefault(epoch, {}).get(i, 0) + 1
     return {
         'params': {n: p.detach().clone() for n, p in module.named_parameters()},
         'steps': [[sorted(i for i, _ in s) if s else [] for s in step] for _, step in steps],
         'samples': sum(len(s) for _, step in steps for s in step if s),
         'tokens': tokens_of(i for _, step in steps for s in step if s for i, _ in s),
         'trained': trained,
+        'loaded': loaded,
     }
 
 
 def expected_counts(sc: dict, epoch: int) -> dict[int, int]:
     """How often each id is in the scenario's data in ``epoch`` (transforms included): what an epoch must train (an
-    epoch resumed on another world size: as the old shards hold it)."""
+    epoch resumed on another world size: as the old shards' batches hold it; not what a :func:`regrouped` epoch
+    trains)."""
     counts: dict[int, int] = {}
     world = world_of(sc, epoch)
     for r in range(world):
@@ -422,6 +449,27 @@ def expected_counts(sc: dict, epoch: int) -> dict[int, int]:
             for i, _ in batch:
                 counts[i] = counts.get(i, 0) + 1
     return counts
+
+
+def expected_loaded(sc: dict, epoch: int) -> dict[int, int]:
+    """How often each id is in the scenario's data in ``epoch`` as the loaders yield it (before the batch
+    transform): what an epoch must load, every sample of each shard once (an epoch resumed on another world size:
+    the old shards, docs/reliability.md "Elastic resumption": every sample of the interrupted epoch exactly once)."""
+    counts: dict[int, int] = {}
+    world = world_of(sc, epoch)
+    for r in range(world):
+        for i in rank_ids(sc, r, epoch, world):
+            counts[i] = counts.get(i, 0) + 1
+    return counts
+
+
+def regrouped(sc: dict, epoch: int) -> bool:
+    """``epoch`` was resumed mid-epoch on another world size and the batch transform depends on a batch's make-up
+    ('drop': its last sample): the rest of the epoch is batched anew (:func:`rest_steps`), so the samples the
+    transform leaves are not :func:`expected_counts`' (the old shards' batches); the samples loaded still are
+    :func:`expected_loaded`."""
+    at = resumed_in(sc)
+    return sc.get('transform') == 'drop' and at is not None and at[0] == epoch and mid_epoch(sc)
 
 
 # ----------------------------------------------------------------------------------------------- eval, predict

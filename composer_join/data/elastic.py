@@ -14,6 +14,9 @@ to know which samples of the epoch no rank has trained yet, whatever the world s
   left (:func:`remaining_for`): unevenly where they do not divide, which is what UnevenJoin is for.
   :func:`one_epoch_loader` gives the rest of the epoch as a ``DataLoader`` like the user's (its dataset,
   collate function, workers), over those indices; the next epoch shards as usual for the new world size.
+  ``used`` counts samples as the sampler gave them, before the ``DataSpec``'s ``batch_transforms``; the rest is
+  batched anew, so a transform that depends on a batch's make-up (dropping its last sample) acts on the new
+  batches.
 
 Cost: one ``all_gather_object`` of each rank's position entry at each checkpoint (a few integers and the sampler's
 description; after a resume on another world size rank 0's entry also carries the old world's per-rank counts, so

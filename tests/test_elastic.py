@@ -4,7 +4,7 @@ Each case saves 2 epochs on ``old`` ranks with a checkpoint after every batch, t
 ``new`` ranks, to the same 2 epochs: mid-epoch before the short rank ran out, after it (its own data ended, the
 long rank still has a batch), and from the checkpoint of the epoch's last batch. Shadow and rebalance, shuffled
 and not, ``ExactDistributedSampler`` and torch's ``DistributedSampler`` (also a batch-yielding subclass given as
-``batch_sampler=``), DataLoader workers, a local mosaicml-streaming ``StreamingDataset`` (resumed by Composer); 2 -> 3, 3 -> 2, 2 -> 1, 1 -> 2, 4 -> 2, and a chain: resumed again, on 2
+``batch_sampler=``), DataLoader workers, a local mosaicml-streaming ``StreamingDataset`` (resumed by Composer); 2 -> 3, 3 -> 2, 2 -> 1, 1 -> 2, 4 -> 2, a resumed run fitted one batch per ``fit()`` (``pieces``), and a chain: resumed again, on 2
 ranks, from a checkpoint taken inside an epoch already resumed on 3. For every resume, against references computed
 here (the samplers' shards from their definitions):
 
@@ -49,6 +49,12 @@ CASES: dict[str, dict[str, Any]] = {
     '2to3_batched_torch': dict(old=2, new=3, sampler='torch', batched=True, size=12, batch_size=3, resume_at=[2]),
     # 31 ids on 2 ranks, resumed at batch 1 on 3 (25 left: 3 steps), its checkpoints kept for the chain
     '2to3_long': dict(old=2, new=3, sampler='exact', size=31, batch_size=3, resume_at=[1]),
+    # the same resumed by fit(duration='1ba') after fit(): each next fit takes up the rest of the epoch (3 -> 2: one
+    # rank's rest is one batch shorter)
+    '2to3_pieces': dict(old=2, new=3, sampler='exact', size=31, batch_size=3, resume_at=[1], pieces=True),
+    '3to2_pieces_rebalance': dict(
+        old=3, new=2, sampler='exact', size=19, batch_size=2, mode='rebalance', resume_at=[2], pieces=True
+    ),
     # train_subset_num_batches=2 (of 6/5 batches on 2 ranks, 4/4/4 on 3): the rest of epoch 0 trains in full (25
     # ids: 3 steps on 3 ranks), epoch 1 the first 2 batches of each new shard
     '2to3_subset': dict(old=2, new=3, sampler='exact', size=31, batch_size=3, subset=2, resume_at=[1]),

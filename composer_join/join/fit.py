@@ -147,6 +147,10 @@ class FitSession:
         if resized:
             context.wrapper.load_state_dict({})  # DDP: buffers are equal on every rank in a checkpoint
         self.rest = rest
+        if rest is not None and rest.indices is not None and 'train' not in state.dataset_resumption:
+            # Composer's flag: no replay (the rest of the epoch is a loader of its own), for this fit only
+            state.dataset_resumption['train'] = True
+            self.changes.call(lambda: state.dataset_resumption.pop('train', None))
         if rest is not None:
             cap = state.dataloader_len  # Composer's, for the user's train dataloader (a subset of it, say)
             self._use(train_loader(context, state, self.view, earlier, self._install, reused, rest=rest))

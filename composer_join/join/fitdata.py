@@ -106,7 +106,6 @@ def rest_of_epoch(state: State, resumed: Optional[Resumed], layout: Layout, data
     indices = remaining_for(entries, order, int(state.timestamp.epoch), world, rank)
     if indices is None:
         return None
-    state.dataset_resumption['train'] = True  # no replay: the rest of the epoch is a loader of its own
     cap = state.dataloader_len
     if cap is not None and int(cap) < len(cast(DataLoader, dataloader)):  # train_subset_num_batches
         warnings.warn(

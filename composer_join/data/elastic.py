@@ -171,10 +171,14 @@ def layout_of(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def shard_of(order: GlobalOrder, layout: Optional[dict[str, Any]], world: int, rank: int, epoch: int) -> list[int]:
     """Rank ``rank``'s indices of ``epoch`` with ``world`` ranks: the sampler's shard, or (``layout``: an epoch
-    resumed on another world size) its share of what the previous world had not used."""
+    resumed on another world size) its share of what the previous world had not used; where that previous world is
+    this one (a resumption, or the trainer's next ``fit()``, inside such an epoch), each rank goes on with its own
+    share past what it used, as with the sampler's own shards."""
     if layout is None:
         return order.shard(world, rank, epoch)
     prev = int(layout['world'])
+    if prev == world:
+        return shard_of(order, layout['layout'], world, rank, epoch)[int(layout['used'][rank]) :]
     left = [
         i for r, used in enumerate(layout['used']) for i in shard_of(order, layout['layout'], prev, r, epoch)[used:]
     ]

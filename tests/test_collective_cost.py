@@ -167,9 +167,9 @@ def test_microbatch_counts_that_differ_on_every_step(runs, name):
         for report in res['reports']:
             assert report['real_samples'] == cfg['shards']
             assert report['real_batches'] == [len(p) for p in plan]
-            # stock Composer would drop the batches past the shortest plan: their sizes are agreed
+            # stock Composer would drop the batches past the shortest plan: their sizes are agreed, summed per rank
             shortest = min(len(p) for p in plan)
-            assert [sizes[shortest - 1 :] for sizes in report['batch_sizes']] == [p[shortest - 1 :] for p in plan]
+            assert report['tail_samples'] == [sum(p[shortest:]) for p in plan]
 
 
 STEP_AND_CAUSE = {  # the rank that cannot form the batch is the one its config makes fail
@@ -226,4 +226,5 @@ def test_planned_steps_and_the_report_they_feed():
     report.record(StepPlan(1, unreported))  # the first agreed step brings every rank's planned samples
     report.record(StepPlan(2, (RankStatus(False, 0, 1), RankStatus(True, 2, 1))))
     assert (report.real_batches, report.real_samples, report.shadow_steps) == ([2, 3], [13, 17], [1, 0])
-    assert report.batch_sizes == [[-1, 5], [-1, 8, 2]] and report.stock_dropped_samples == 2
+    # the planned step's sizes are in the counts only; the step rank 0 shadowed is the tail: rank 1's batch of 2
+    assert report.tail_samples == [0, 2] and report.stock_dropped_samples == 2

@@ -11,7 +11,7 @@ from composer.core import DataSpec
 
 from composer_join import UnevenJoin
 from composer_join.core.batches import first_samples, sample_lists
-from composer_join.core.plan import RankStatus, StepPlan
+from composer_join.core.plan import RankStatus, StepPlan, plan_from_lengths
 from composer_join.core.report import EpochReport
 from composer_join.shadow.gradients import scale_grad
 from rank_scenarios import ToyModel, make_loader
@@ -109,3 +109,84 @@ def test_report_counts_what_stock_composer_drops():
     assert report.real_batches == [4, 2] and report.shadow_steps == [0, 2] and report.real_samples == [28, 13]
     assert report.stock_dropped_batches == 2 and report.stock_dropped_samples == 12
     assert 'stock Composer would have dropped 2 batches (12 samples)' in report.summary()
+
+
+def _old_stock_dropped(sizes: list[list[int]], real_batches: list[int]) -> int:
+    """What 0.1.0 computed from its ``batch_sizes`` lists: each rank's sizes past the shortest rank's count."""
+    tails = [v for s in sizes for v in s[min(real_batches) :]]
+    return -1 if any(v < 0 for v in tails) else sum(tails)
+
+
+@pytest.mark.parametrize('seed', range(20))
+def test_the_report_summary_is_what_per_step_sizes_gave(seed):
+    """Issue 48: the report keeps per rank a few numbers, never a list per step, and they give what the per-step sizes
+    gave: random epochs (some steps planned from the lengths, a rank out of data stays out, empty shards, an
+    uncountable batch now and then), against the 0.1.0 computation on the sizes; its state is O(W) plain data."""
+    import pickle
+    import random
+
+    rng = random.Random(seed)
+    world = rng.randint(1, 6)
+    lengths = [rng.choice([0, rng.randint(1, 9)]) if rng.random() < 0.2 else rng.randint(1, 9) for _ in range(world)]
+    sizes = [[rng.choice([4, 4, 4, 3, -1 if rng.random() < 0.1 else 2]) for _ in range(n)] for n in lengths]
+    planned = rng.randint(0, max(0, min(lengths) - 1))  # the steps before the shortest rank's last batch, or fewer
+    report = EpochReport(epoch=0, world_size=world)
+    for t in range(planned):
+        report.record(plan_from_lengths(t, 0, RankStatus(True, sizes[0][t], 1), world))
+    for t in range(planned, max(lengths)):
+        unreported = [sizes[r][:planned] for r in range(world)] if t == planned else [[]] * world
+        report.record(
+            StepPlan(
+                t,
+                tuple(
+                    RankStatus(
+                        t < n,
+                        sizes[r][t] if t < n else 0,
+                        1,
+                        unreported_samples=-1 if any(v < 0 for v in unreported[r]) else sum(unreported[r]),
+                    )
+                    for r, n in enumerate(lengths)
+                ),
+            )
+        )
+    assert report.real_batches == lengths and report.shadow_steps == [max(lengths) - n for n in lengths]
+    assert report.real_samples == [-1 if any(v < 0 for v in s) else sum(s) for s in sizes]
+    assert report.stock_dropped_samples == _old_stock_dropped(sizes, lengths)
+    assert report.stock_dropped_batches == sum(n - min(lengths) for n in lengths)
+    state = report.state()
+    assert all(isinstance(v, int) or len(v) in (0, world) for v in state.values())  # O(W), whatever the steps
+    assert all(isinstance(x, int) for v in state.values() if isinstance(v, list) for x in v)
+    again = EpochReport(**state)
+    assert again == report and again.metrics() == report.metrics() and again.summary() == report.summary()
+    assert pickle.loads(pickle.dumps(report)) == report
+    with pytest.warns(DeprecationWarning, match='batch_sizes is deprecated'):
+        assert report.batch_sizes == [[] for _ in range(world)]
+
+
+def test_a_checkpoint_of_0_1_0_with_batch_sizes_lists_still_restores():
+    """A 0.1.0 checkpoint entry holds each report's ``batch_sizes`` lists (-1: a planned step): they load as the
+    summary, with the same metrics, and a partial epoch's report goes on recording."""
+    import pickle
+
+    from composer_join.data.resume import restore
+
+    finished = dict(epoch=0, world_size=2, real_batches=[4, 2], real_samples=[28, 13], shadow_steps=[0, 2])
+    finished['batch_sizes'] = [[-1, 8, 8, 4], [-1, 5]]
+    partial = dict(epoch=1, world_size=2, real_batches=[2, 1], real_samples=[16, 8], shadow_steps=[0, 1])
+    partial['batch_sizes'] = [[-1, 8], [-1]]
+    resumed = restore({'reports': [finished], 'current': partial, 'wrapper': {}})
+    assert resumed.world_size == 2
+    (report,) = resumed.reports
+    assert (report.real_batches, report.real_samples, report.shadow_steps) == ([4, 2], [28, 13], [0, 2])
+    assert report.tail_samples == [12, 0] and report.stock_dropped_samples == 12
+    assert report.metrics()['uneven_join/stock_would_drop_samples'] == 12 and 'batch_sizes' not in report.state()
+    current = resumed.current
+    assert current is not None and current.tail_samples == [8, 0]
+    current.record(StepPlan(2, (RankStatus(True, 4, 1), RankStatus(False, 0, 1))))
+    assert current.tail_samples == [12, 0] and current.stock_dropped_samples == 12 and current.real_batches == [3, 1]
+    uncountable = dict(finished, batch_sizes=[[-1, 8, -1, 4], [-1, 5]])
+    assert EpochReport.from_state(uncountable).stock_dropped_samples == -1
+    old_object = EpochReport(**{k: v for k, v in finished.items() if k != 'batch_sizes'})  # pickled by 0.1.0:
+    old_object.__dict__['batch_sizes'] = finished['batch_sizes']  # its __dict__ held the lists
+    del old_object.__dict__['tail_samples']
+    assert pickle.loads(pickle.dumps(old_object)) == report

@@ -311,14 +311,14 @@ class Resumed:
 def restore(saved: dict[str, Any]) -> Resumed:
     """The inverse of :func:`snapshot`."""
     current = saved.get('current')
-    reports = [EpochReport(**r) for r in saved.get('reports', [])]
+    reports = [EpochReport.from_state(r) for r in saved.get('reports', [])]
     world = saved.get('world_size')
     if world is None:  # 0.1.0: from its reports
         known = [r for r in (current, *saved.get('reports', [])) if r is not None]
         world = known[0]['world_size'] if known else None
     return Resumed(
         reports=reports,
-        current=None if current is None else EpochReport(**current),
+        current=None if current is None else EpochReport.from_state(current),
         wrapper=dict(saved.get('wrapper', {})),
         ranks=saved.get('ranks'),
         world_size=None if world is None else int(world),

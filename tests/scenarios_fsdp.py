@@ -14,8 +14,9 @@ only here (they are facts about torch and Composer on CPU, not about composer_jo
 
 from __future__ import annotations
 
+import contextlib
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,6 +32,7 @@ import devices
 import scenarios_readahead
 from composer_join import UnevenJoin, is_shadow_step
 from composer_join.collectives import CollectiveCounter
+from composer_join.core import exchange
 from rank_scenarios import ToyModel, error_if_expected, make_evaluator, make_loader, make_optimizer, quiet_trainer
 from toy import make_module, unpack
 
@@ -126,6 +128,39 @@ def local_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n.replace('_fsdp_wrapped_module.', ''): b.detach().clone() for n, b in module.named_buffers()}
 
 
+@contextlib.contextmanager
+def pairwise_sums(on: bool) -> Iterator[None]:
+    """Within the block (if ``on``), ``TorchExchange.host_sum`` (the FSDP unit check's sum) sums pairwise at any
+    world size, as it does from ``PAIRWISE_FROM`` ranks on."""
+    saved = exchange.PAIRWISE_FROM
+    exchange.PAIRWISE_FROM = 1 if on else saved
+    try:
+        yield
+    finally:
+        exchange.PAIRWISE_FROM = saved
+
+
+def host_sums(payloads: tuple[int, ...] = (1, 17, 257)) -> dict[str, Any]:
+    """``TorchExchange.host_sum`` both ways on this launch's ranks, against the exact sums: random integers (int32,
+    int64, uint8 counts), each rank's own; the sums every rank got, and whether each was exact."""
+    from composer_join.core.catalogue import FSDP_UNITS
+
+    rank, world = dist.get_global_rank(), dist.get_world_size()
+    ex = exchange.TorchExchange()
+    said = FSDP_UNITS.said('the test of host_sum')
+    exact, sums = [], []
+    for payload in payloads:
+        for dtype, high in ((torch.int32, 2**20), (torch.int64, 2**40), (torch.uint8, 256 // world)):
+            gen = torch.Generator().manual_seed(payload)
+            every = torch.randint(0, high, (world, payload), dtype=dtype, generator=gen)
+            for pairwise_from in (world + 1, 1):
+                mine = every[rank].clone()
+                got = ex.host_sum(mine, said, pairwise_from=pairwise_from)
+                exact.append(torch.equal(got, every.sum(0, dtype=dtype)) and torch.equal(mine, every[rank]))
+                sums.append(got.tolist())
+    return {'exact': exact, 'sums': sums}
+
+
 def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
     """One Composer ``fit`` on this rank's shard under ``cfg['wrapper']`` (``fsdp1``, ``fsdp2`` or ``ddp``)."""
     cpu_fsdp_workarounds()
@@ -159,7 +194,8 @@ def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
         eval_interval=cfg.get('eval_interval', 1),
         **checkpoint,
     )
-    error = error_if_expected(cfg, trainer.eval if cfg.get('eval_only') else trainer.fit)
+    with pairwise_sums(cfg.get('pairwise', False)):
+        error = error_if_expected(cfg, trainer.eval if cfg.get('eval_only') else trainer.fit)
     params = full_params(trainer, kind) if error is None else {}
     trainer.close()
     ts = trainer.state.timestamp

@@ -31,7 +31,7 @@ import devices
 import reference
 import reference_fsdp
 import test_rebalance
-from harness import launch
+from harness import RankError, launch
 from rank_orders import expand, with_rotations
 from test_join_core import DIVIDE, NO_DIVIDE, ok
 from test_rebalance_unsized import observed, replay, simulate
@@ -103,6 +103,8 @@ for w in ALL_WRAPPERS:
             f'{w}_branch': dict(BASE, wrapper=w, model='branch', microbatch=3, join=DIVIDE, expect_error=w == 'fsdp2'),
         }
     )
+    # the unit check's sum as from PAIRWISE_FROM ranks on (recursive doubling over isend/irecv), on 2 ranks
+    SCENARIOS[f'{w}_branch_pairwise'] = dict(SCENARIOS[f'{w}_branch'], pairwise=True)
 THREE: dict[str, dict] = {}
 for w in ALL_WRAPPERS:
     THREE.update(
@@ -113,6 +115,8 @@ for w in ALL_WRAPPERS:
             ),
         }
     )
+    # 3 ranks: the pairwise sum's fold (rank 0 gives its flags to rank 1 and gets the sum back)
+    THREE[f'{w}_three_ranks_pairwise'] = dict(THREE[f'{w}_three_ranks'], pairwise=True)
 
 # mode='rebalance' under FSDP, with microbatches of 3: with every rank's len() (the planned schedule)
 # and without (read-ahead). 43 = 5 x 8 + 3 and 21 = 2 x 8 + 5 samples: batches of 3, 2 and 1
@@ -151,6 +155,7 @@ for w in ALL_WRAPPERS:
     COUNTED[f'{w}_count_stock'] = dict(common, shards=[16, 16], join=None)
     COUNTED[f'{w}_count_uneven'] = dict(common, shards=[24, 20], join=DIVIDE)
     COUNTED[f'{w}_count_shadow'] = dict(common, shards=[24, 16], join=DIVIDE)
+    COUNTED[f'{w}_count_uneven_pairwise'] = dict(common, shards=[24, 20], join=DIVIDE, pairwise=True)
 
 # A sharded checkpoint taken mid-join (after step 4 of epoch 0, when rank 1 has run out), resumed.
 CHECKPOINT = dict(BASE, microbatch=3, join=DIVIDE, save_interval='4ba', state_dict_type='sharded')
@@ -312,6 +317,38 @@ def test_collectives_per_step(runs, w):
         # ahead; or, on steps planned from the lengths alone, the agreement on microbatch counts) and
         # one per microbatch (the check that every rank's microbatch uses the same parameters)
         assert sum(c['all_reduce'] for c in steps) == len(steps) * (stock['all_reduce'] + 1 + microbatches), steps
+
+
+@pytest.mark.parametrize('w', WRAPPER_PARAMS)
+def test_the_unit_check_summed_pairwise_is_the_same_check(runs, w):
+    """From ``PAIRWISE_FROM`` ranks on, the check's sum is recursive doubling over ``isend``/``irecv`` (log2 W rounds,
+    not gloo's ring): forced here on 2 and 3 ranks, the same training, the same refusal, and no all-reduce per
+    microbatch any more (gloo's point-to-point messages, which ``CollectiveCounter`` does not count)."""
+    if w == 'fsdp1':
+        check_reference('fsdp1_branch_pairwise', SCENARIOS['fsdp1_branch_pairwise'], ok(runs, 'fsdp1_branch_pairwise'))
+    else:
+        for res in ok(runs, 'fsdp2_branch_pairwise'):
+            assert res['error'].startswith("at step 0, ranks' microbatches give gradients to different parameters")
+            assert 'module.extra.weight (used on 1 of 2 ranks)' in res['error']
+    check_reference(
+        f'{w}_three_ranks_pairwise', THREE[f'{w}_three_ranks_pairwise'], ok(runs, f'{w}_three_ranks_pairwise')
+    )
+    stock = counts(runs, f'{w}_count_stock', 1)
+    steps = [counts(runs, f'{w}_count_uneven_pairwise', t) for t in range(3)]
+    for c in steps:
+        assert {k: v for k, v in c.items() if k != 'all_reduce'} == {
+            k: v for k, v in stock.items() if k != 'all_reduce'
+        }
+    assert sum(c['all_reduce'] for c in steps) == len(steps) * (stock['all_reduce'] + 1), steps
+
+
+def test_host_sum_is_exact_both_ways_on_six_ranks():
+    """``TorchExchange.host_sum`` on 6 ranks (4 double, ranks 0 and 2 fold into 1 and 3): gloo's all-reduce and the
+    pairwise sum give every rank the exact sum of every rank's integers, in their dtype."""
+    per_rank = launch(6, [('sums', 'scenarios_fsdp:host_sums', {})], timeout=120)['sums']
+    assert not [r for r in per_rank if isinstance(r, RankError)], per_rank
+    assert all(all(r['exact']) for r in per_rank), [r['exact'] for r in per_rank]
+    assert all(r['sums'] == per_rank[0]['sums'] for r in per_rank)
 
 
 def test_stock_composer_fsdp_hangs_on_uneven_microbatch_counts():

@@ -183,7 +183,7 @@ ZERO_SAMPLES = Collective(
 
 FSDP_UNITS = Collective(
     'fsdp_units',
-    'used FSDP units: an all-reduce of `units + 1` integers on the host (gloo); an `all_gather_object` naming the failing ranks where some rank failed',
+    'used FSDP units: a sum of `units + 1` integers on the host (gloo), an all-reduce under 8 ranks, from 8 on pairwise `isend`/`irecv` in `log2 W` rounds (`TorchExchange.host_sum`); an `all_gather_object` naming the failing ranks where some rank failed',
     '`wrappers/fsdp.py` `GradientUnits.check`',
     "every microbatch under FSDP (Composer's parallelism)",
     (),

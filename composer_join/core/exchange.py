@@ -11,7 +11,8 @@ its own row, so the sum is every rank's row in place: ``8 * 13 * W`` bytes for a
 asynchronously so that it overlaps the previous step's training; a rank that finds a peer gone while it waits says
 where (:func:`~composer_join.core.peers.lost_peer`). The object collectives (``all_gather_object``,
 ``broadcast_object_list``) run only where the protocol says so: on error paths, and once per rank that never saw a
-batch (its template).
+batch (its template). :meth:`TorchExchange.host_sum` (FSDP's per-microbatch unit check) sums integers on the host in
+``log2 W`` rounds of point-to-point messages from :data:`PAIRWISE_FROM` ranks on.
 
 Example::
 
@@ -35,12 +36,20 @@ from composer_join.core.protocol import Exchange, Pending, agreed_lengths
 from composer_join.core.settings import Facts, mismatch_error
 from composer_join.core.settings import check as check_settings
 
-__all__ = ['TorchExchange', 'agree_on_length', 'listening']
+__all__ = ['PAIRWISE_FROM', 'TorchExchange', 'agree_on_length', 'listening']
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]
 
 _LISTENERS: list[Callable[[str], None]] = []
 _OPS = {'max': torch.distributed.ReduceOp.MAX, 'sum': torch.distributed.ReduceOp.SUM}
+
+PAIRWISE_FROM = 8
+"""The world size from which :meth:`TorchExchange.host_sum` sums by pairwise exchanges (``ceil(log2 W)`` rounds, two
+more where W is not a power of two) instead of gloo's all-reduce (a ring: ``2 (W - 1)`` hops in a row for any
+payload). Below it the ring is at most 12 hops (0.3 ms at 25 us a hop) and one call into gloo, and the check's
+all-reduce stays what :class:`~composer_join.collectives.CollectiveCounter` counts (docs/benchmarks.md, "At scale";
+``benchmarks/fsdp_check.py``). The world size is the same on every rank, so every rank picks the same way."""
+_PAIRWISE_TAG = 0x4A4E  # gloo send/recv tag of the pairwise sum's messages (its slots are apart from collectives')
 
 
 @contextlib.contextmanager
@@ -85,6 +94,28 @@ class TorchExchange(Exchange):
             torch.distributed.all_reduce(values, op=_OPS[op], group=self.group)
         return values
 
+    def host_sum(self, values: torch.Tensor, what: str, pairwise_from: Optional[int] = None) -> torch.Tensor:
+        """``values`` (integers on the host, the same shape on every rank) summed over every rank, on the exchange's
+        ``group`` (gloo), blocking: the sum, a new tensor.
+
+        Under :data:`PAIRWISE_FROM` ranks (``pairwise_from``: another threshold, for tests), one all-reduce; from it,
+        recursive doubling over gloo ``isend``/``irecv``: ``ceil(log2 W)`` rounds in which each rank swaps its partial
+        sum with one partner, plus, where W is not a power of two, a first round in which the first ``2 (W - P)``
+        ranks fold in pairs (``P``: the largest power of two below W) and a last one in which they get the sum
+        back. Its latency grows with ``log2 W`` where gloo's ring grows with W. Integers only: their sum does not
+        depend on the order of the additions, so every rank gets exactly the same sum.
+        """
+        if values.is_floating_point() or values.is_complex():
+            raise TypeError(f'host_sum sums integers only (the same sum in any order), not {values.dtype}')
+        _issue(what)
+        threshold = PAIRWISE_FROM if pairwise_from is None else pairwise_from
+        values = values.clone()
+        with lost_peer(what):
+            if self.world < max(threshold, 2):
+                torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.SUM, group=self.group)
+                return values
+            return _pairwise_sum(values, self.rank, self.world, self.group)
+
     def gather(self, obj: Any, what: str) -> list[Any]:
         _issue(what)
         with lost_peer(what):
@@ -96,6 +127,37 @@ class TorchExchange(Exchange):
         with lost_peer(what):
             dist.broadcast_object_list(box, src=src)
         return box[0]
+
+
+def _pairwise_sum(values: torch.Tensor, rank: int, world: int, group: Any) -> torch.Tensor:
+    """Recursive doubling (:meth:`TorchExchange.host_sum`): ``values`` summed over the ``world`` ranks of ``group``.
+
+    Through the process group's own ``send``/``recv`` (``torch.distributed.isend`` and ``irecv`` check and map their
+    arguments in Python first, which doubled the host's time per round); the group holds every rank, in order."""
+    pg: Any = torch.distributed.group.WORLD if group is None else group
+    incoming = torch.empty_like(values)
+    power = 1 << (world.bit_length() - 1)  # the largest power of two <= world
+    folded = world - power  # ranks 0, 2, ..., 2 * folded - 2 give their values to the next rank and wait for the sum
+    if rank < 2 * folded and rank % 2 == 0:
+        pg.send([values], rank + 1, _PAIRWISE_TAG).wait()
+        pg.recv([values], rank + 1, _PAIRWISE_TAG).wait()
+        return values
+    if rank < 2 * folded:
+        pg.recv([incoming], rank - 1, _PAIRWISE_TAG).wait()
+        values += incoming
+    own = rank // 2 if rank < 2 * folded else rank - folded  # this rank among the ``power`` that double
+    bit = 1
+    while bit < power:
+        other = own ^ bit
+        peer = 2 * other + 1 if other < folded else other + folded
+        sent, got = pg.send([values], peer, _PAIRWISE_TAG), pg.recv([incoming], peer, _PAIRWISE_TAG)
+        sent.wait()
+        got.wait()
+        values += incoming
+        bit <<= 1
+    if rank < 2 * folded:
+        pg.send([values], rank - 1, _PAIRWISE_TAG).wait()
+    return values
 
 
 class _Rows(Pending):

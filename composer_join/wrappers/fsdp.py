@@ -13,7 +13,8 @@ to the same parameters on every rank. Three pieces see to that:
 * :class:`GradientUnits`: FSDP has no ``find_unused_parameters``. After each microbatch's loss,
   before its backward pass, the parameters it uses (those its autograd graph reaches, and those a reentrant
   activation-checkpointing segment of its forward ran with) are compared across ranks
-  (one all-reduce of one integer per gradient unit, on the host over gloo: no GPU sync); where they differ, every rank raises
+  (one sum of one integer per gradient unit over every rank, on the host over gloo: no GPU sync; from 8 ranks
+  pairwise, in ``log2 W`` rounds, not gloo's ring); where they differ, every rank raises
   :class:`~composer_join.UnevenInputsError` instead of hanging in the reduce-scatter. A gradient
   unit is an FSDP1 flat parameter (parameters unused inside a used flat parameter get zeros, so
   FSDP1 copes with those) or an FSDP2 parameter.
@@ -88,8 +89,24 @@ class GradientUnits:
 
     Cost per microbatch: a walk over the loss's autograd graph (about 1 us per node in Python: 0.4 ms for a
     12-layer transformer encoder), one Python call per forward of a module holding a unit's parameters, and one
-    all-reduce of ``4 * (units + 1)`` bytes (nothing in it per rank: a rank's failure counts in one integer, and
-    only where some rank failed do the ranks gather who, on that error path).
+    sum over every rank of ``units + 1`` int32 (nothing in it per rank: a rank's failure counts in one integer, and
+    only where some rank failed do the ranks gather who, on that error path), synchronous: the backward waits for
+    it. The sum is :meth:`~composer_join.core.exchange.TorchExchange.host_sum`: gloo's all-reduce under 8 ranks,
+    from 8 on recursive doubling over gloo ``isend``/``irecv``, ``ceil(log2 W)`` rounds (two more where W is not a
+    power of two) of about 30-50 us of host CPU each (``benchmarks/fsdp_check.py``): gloo's all-reduce is a ring,
+    ``2 (W - 1)`` hops in a row, about 50 ms at 1,024 ranks and 200 ms at 4,096 at 25 us a hop, the pairwise sum
+    about 0.55 and 0.66 ms (docs/benchmarks.md, "At scale").
+
+    Why a collective on every microbatch still: which units a rank's backward reduce-scatters is known only after
+    its forward on its own data (a branch some samples take, a reentrant segment some ranks' data runs), so no
+    rank can know another's before that microbatch's backward without hearing from it, and a mismatch is a hang
+    under NCCL. No fact agreed earlier settles it: a first microbatch where every rank used every unit says
+    nothing of the next one's data, and that a model never skips a unit cannot be told from Python (its forward
+    may branch on the data, on Python's ``random``, on a counter). Nor can microbatches share one collective per
+    step: Composer runs each microbatch's backward before the next one's forward, so the next one's units are not
+    known yet; nor can it ride on a collective the step has anyway: the step agreement runs before the step's
+    forwards, FSDP's own all-gathers and reduce-scatters are on the device and the backward's come after the
+    decision. What can be made cheaper is the sum's latency, which is what grows with W.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -167,7 +184,7 @@ class GradientUnits:
         ]
         used = torch.tensor([*uses, int(failure is not None)], dtype=torch.int32)
         said = FSDP_UNITS.said(f'the all-reduce of the FSDP units used at step {plan.step}')
-        used = TorchExchange(group=host_group()).reduce(used, 'sum', said)  # a CPU tensor, over gloo
+        used = TorchExchange(group=host_group()).host_sum(used, said)  # a CPU tensor, over gloo: log2 W rounds at scale
         used, any_failed = used[: len(self)], int(used[len(self)])
         failed: list[int] = []
         if any_failed:  # on every rank alike: name the failing ranks (an error path)

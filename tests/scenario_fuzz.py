@@ -403,12 +403,6 @@ def predicted_error(sc: dict) -> Optional[str]:
     return None
 
 
-def _starts_empty(sc: dict) -> bool:
-    """Some rank has no batch at the first fit's step 0 (it shadows from the start)."""
-    first = ref.planned_steps({**sc, 'refit': False, 'oom': None, 'resume_world': None})
-    return bool(first) and not all(first[0][1])
-
-
 def known_failure(sc: dict) -> Optional[str]:
     """The known, not yet analysed failure (``tests/fuzz_regressions.json``) a scenario runs into, or None: the CI
     slice leaves such scenarios out (their regression entries are strict xfails), long runs report them apart. Each

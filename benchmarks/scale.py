@@ -23,7 +23,15 @@ rank simulated at once in ``tests/test_scaled.py``). Per world size:
 * **read-ahead rule** (:func:`~composer_join.rebalance.readahead.assign`) per step, median / max over an epoch of
   the rule driven by a model of the ranks' buffers (levels 0..2, refilled after each step);
 * **report**: the pickled ``EpochReport`` of the ``mode='shadow'`` epoch, bytes, and the CPU time of the copy a
-  checkpoint makes of it (the least of ``repeat`` copies).
+  checkpoint makes of it (the least of ``repeat`` copies);
+* **checkpoint positions** (:func:`checkpoint_positions`, a table of its own; ``--positions-only``: that table
+  alone) for a global-order sampler (``ExactDistributedSampler``: ``GlobalOrderPosition``), mid-epoch (every rank
+  half way through its shard) and inside an epoch resumed elastically (from as many ranks: the layout): each
+  rank's entry built as ``RankPositions.gather`` builds it (the adapter's ``save`` on each simulated rank,
+  pickled and unpickled as ``all_gather_object`` does, then the adapter's ``kept`` where it has one), the
+  positions' bytes in UnevenJoin's checkpoint state (pickled with ``torch.save``'s protocol 2), and the bytes each
+  rank receives from the gather (``all_gather_object`` pads every rank's pickled entry to the largest: ``W`` times
+  the largest).
 
 Where a cost passes 1% of a 100 ms step (1 ms), from the measured points (linear in W between them) and, for
 the agreement's all-reduce, paper estimates stated in ``docs/benchmarks.md``.
@@ -142,6 +150,54 @@ def measure(
     return out
 
 
+def checkpoint_positions(world: int, mean: int, seed: int = 0) -> dict[str, int]:
+    """UnevenJoin's checkpoint state for the positions of ``world`` ranks read through ``ExactDistributedSampler``
+    (shards as :class:`Shards` spreads them, every rank half way through its own), mid-epoch (``mid_*``) and in an
+    epoch resumed elastically from as many ranks (``resumed_*``): the state's bytes (``*_state``) and what each rank
+    receives from the gather (``*_received``). The entries are built as ``RankPositions.gather`` builds them."""
+    from dataclasses import asdict
+    from unittest import mock
+
+    from composer.utils import dist
+
+    from composer_join.data.elastic import GlobalOrder, GlobalOrderPosition, layout_of
+
+    shards = Shards.spread(world, mean, seed)
+    samples = [4 * int(n) for n in shards.n]  # 4 samples per batch (the last partial: an upper bound here)
+    order = GlobalOrder('exact', sum(samples), True, 17, False, 0)
+    used = [s // 2 for s in samples]
+    out: dict[str, int] = {}
+    old = [{'used': u, 'dataset': {'order': asdict(order)}} for u in used]  # the entries of the checkpoint resumed
+    for name, layout in (('mid', None), ('resumed', layout_of(old))):
+        position = GlobalOrderPosition(None, None, order, layout)
+        sent = []
+        for rank in range(world):
+            with mock.patch.object(dist, 'get_global_rank', return_value=rank):
+                mine = {'trained': used[rank], 'used': used[rank], 'sent': 0, 'ended': False}
+                mine['dataset'] = position.save(used[rank])
+            sent.append(pickle.dumps(mine))  # all_gather_object's pickler
+        gathered = [pickle.loads(b) for b in sent]
+        kept = position.kept(gathered) if hasattr(position, 'kept') else gathered
+        out[f'{name}_state'] = len(pickle.dumps(kept, protocol=2))  # torch.save's protocol
+        out[f'{name}_received'] = world * max(len(b) for b in sent)  # padded to the largest entry
+    return out
+
+
+def positions_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        '| W | checkpoint positions, mid-epoch: state / received per rank | in an epoch resumed elastically: '
+        'state / received per rank |\n|---|---|---|'
+    )
+    lines = [head]
+    for r in rows:
+        p = r['positions']
+        lines.append(
+            f'| {r["W"]:,} | {p["mid_state"]:,} B / {p["mid_received"]:,} B | '
+            f'{p["resumed_state"]:,} B / {p["resumed_received"]:,} B |'
+        )
+    return '\n'.join(lines)
+
+
 def _most_receivers(loader: Any) -> int:
     schedule = getattr(loader, 'steps', None)
     if schedule is None:
@@ -185,14 +241,23 @@ def main() -> None:
     parser.add_argument('--mean', type=int, default=1000)
     parser.add_argument('--no-sized', action='store_true', help='skip the sized schedule (slow before #48)')
     parser.add_argument('--no-rule', action='store_true', help='skip the read-ahead rule')
+    parser.add_argument('--positions-only', action='store_true', help='the checkpoint positions table alone')
     parser.add_argument('--repeat', type=int, default=3, help='runs of each measurement; the least figure is kept')
     args = parser.parse_args()
     rows = []
     for world in args.worlds:
         t0 = time.perf_counter()
-        rows.append(measure(world, args.mean, sized=not args.no_sized, rule=not args.no_rule, repeat=args.repeat))
+        if args.positions_only:
+            row: dict[str, Any] = {'W': world}
+        else:
+            row = measure(world, args.mean, sized=not args.no_sized, rule=not args.no_rule, repeat=args.repeat)
+        row['positions'] = checkpoint_positions(world, args.mean)
+        rows.append(row)
         print(f'W={world}: {time.perf_counter() - t0:.1f} s {rows[-1]}', file=sys.stderr, flush=True)
-    print(table(rows))
+    if not args.positions_only:
+        print(table(rows))
+        print()
+    print(positions_table(rows))
 
 
 if __name__ == '__main__':

@@ -6,9 +6,10 @@ to know which samples of the epoch no rank has trained yet, whatever the world s
 * the train sampler is recognised by what it is (:func:`sampler_of`): exactly torch's ``DistributedSampler`` or
   :class:`~composer_join.ExactDistributedSampler` given as ``sampler=``, or a subclass of one given as
   ``batch_sampler=`` that yields its base class's order in batches (checked), in a plain ``DataLoader``;
-* each rank's checkpoint entry holds, compactly, the sampler's description (kind, dataset length, seed,
-  shuffle, ``drop_last``) and how many samples of its own shard it has used in the epoch (trained, or,
-  rebalancing, given to another rank): :class:`GlobalOrderPosition`;
+* each rank's checkpoint entry holds, compactly, how many samples of its own shard it has used in the epoch
+  (trained, or, rebalancing, given to another rank), and rank 0's the sampler's description (kind, dataset length,
+  seed, shuffle, ``drop_last``), which every rank's was (each other rank's entry says so):
+  :class:`GlobalOrderPosition`;
 * resuming on another world size, every rank recomputes each old rank's shard of the epoch with the sampler's
   own code (:meth:`GlobalOrder.shard`), drops the used prefix of each, and takes every ``W``-th of what is
   left (:func:`remaining_for`): unevenly where they do not divide, which is what UnevenJoin is for.
@@ -19,10 +20,11 @@ to know which samples of the epoch no rank has trained yet, whatever the world s
   batches.
 
 Cost: one ``all_gather_object`` of each rank's position entry at each checkpoint (a few integers and the sampler's
-description; after a resume on another world size rank 0's entry also carries the old world's per-rank counts, so
-``O(W)`` in all); on resuming on another world
-size, one permutation of the dataset per old rank (what the sampler itself costs) and a second length
-agreement at the end of the resumed epoch.
+description as a tuple: about 100 bytes per rank, so each rank receives ``O(W)``). The checkpoint holds the
+description once, in rank 0's entry, and a few integers per other rank (:meth:`GlobalOrderPosition.kept`); after a
+resume on another world size rank 0's entry also carries the old world's per-rank counts (the layout, not
+gathered: every rank has it), so ``O(W)`` in all. On resuming on another world size, one permutation of the dataset per old rank (what the
+sampler itself costs) and a second length agreement at the end of the resumed epoch.
 
 Example::
 
@@ -35,10 +37,9 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass, fields
 from typing import Any, Optional, cast
 
-from composer.utils import dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from composer_join.data.positions import Kind, Position
@@ -49,6 +50,7 @@ __all__ = [
     'GlobalOrderPosition',
     'layout_of',
     'one_epoch_loader',
+    'orders_of',
     'remaining_for',
     'sampler_of',
     'shard_of',
@@ -150,14 +152,60 @@ class GlobalOrderPosition(Position):
         return Kind.GLOBAL_ORDER if self.layout is None else Kind.REST
 
     def save(self, used: int) -> Any:
-        """The sampler's description; the layout in rank 0's entry only (:func:`layout_of` reads it there): it lists
-        every old rank's count, so in every entry the checkpoint would hold ``O(W^2)`` integers."""
-        if dist.get_global_rank() != 0:
-            return {'order': asdict(self.order)}
-        return {'order': asdict(self.order), 'layout': self.layout}
+        """The sampler's description as a tuple (:class:`GlobalOrder`'s fields in order): what each rank gives the
+        gather, a few values; :meth:`kept` makes the checkpoint's entries of them. The layout, the same on every rank
+        (each has it from the same checkpoint), is not gathered: in rank 0's entry alone, ``all_gather_object``
+        would pad every rank's entry to its size, ``O(W)`` bytes, so each rank would receive ``O(W^2)``."""
+        return astuple(self.order)
+
+    def kept(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every rank's gathered entry as the checkpoint holds it (:func:`remaining_for` reads both forms).
+
+        Where every rank's description is rank 0's (the ranks agreed on the kind, so it is, unless their samplers
+        differ), the description once: rank 0's ``dataset`` is ``{'order': ..., 'layout': ...}`` (the layout:
+        :func:`layout_of`) and every other rank's ``{'order_of': 0}``, ``O(1)`` per rank. Otherwise each rank's own
+        ``{'order': ...}`` (as checkpoints before this form held), which :func:`remaining_for` refuses.
+        """
+        described = [_described(e.get('dataset')) for e in entries]
+        same = all(d is not None and d == described[0] for d in described)
+        out = []
+        for r, entry in enumerate(entries):
+            dataset: Any = entry.get('dataset') if described[r] is None else {'order': described[r]}
+            if r == 0:
+                dataset = {**dataset, 'layout': self.layout} if described[r] is not None else dataset
+            elif same:
+                dataset = {'order_of': 0}
+            out.append({**entry, 'dataset': dataset})
+        return out
 
     def load(self, state: Any) -> None:
         pass
+
+
+def _described(saved: Any) -> Optional[dict[str, Any]]:
+    """:meth:`GlobalOrderPosition.save`'s tuple as the description (``asdict`` of the order); None if it is not one."""
+    names = [f.name for f in fields(GlobalOrder)]
+    if isinstance(saved, tuple) and len(saved) == len(names):
+        return dict(zip(names, saved))
+    return None
+
+
+def orders_of(entries: Sequence[dict[str, Any]]) -> list[Optional[dict[str, Any]]]:
+    """Each old rank's sampler description in ``entries`` (``asdict`` of its :class:`GlobalOrder`; None: none).
+
+    Reads both forms: every entry's own ``{'order': ...}`` (checkpoints before the compact form, and ranks whose
+    descriptions differed), and ``{'order_of': r}``, the description of rank ``r``'s entry
+    (:meth:`GlobalOrderPosition.kept`)."""
+    out: list[Optional[dict[str, Any]]] = []
+    for entry in entries:
+        dataset = entry.get('dataset')
+        if isinstance(dataset, dict) and 'order_of' in dataset:
+            source = dataset['order_of']
+            ok = isinstance(source, int) and 0 <= source < len(entries)
+            dataset = entries[source].get('dataset') if ok else None
+        order = dataset.get('order') if isinstance(dataset, dict) else None
+        out.append(order if isinstance(order, dict) else None)
+    return out
 
 
 def layout_of(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -190,11 +238,10 @@ def remaining_for(
 ) -> Optional[list[int]]:
     """This rank's share (``rank`` of ``world``) of the samples of ``epoch`` that no old rank had used.
 
-    ``entries``: every old rank's checkpoint entry (``used`` and ``dataset``: :meth:`GlobalOrderPosition.save`).
-    None if the entries do not describe ``order`` (another sampler, dataset length, seed or shuffle).
+    ``entries``: every old rank's checkpoint entry (``used`` and ``dataset``: :meth:`GlobalOrderPosition.kept`, or
+    a checkpoint's before it). None if the entries do not describe ``order`` (another sampler, dataset length, seed or shuffle).
     """
-    described = [e.get('dataset') for e in entries]
-    if any(not isinstance(d, dict) or d.get('order') != asdict(order) for d in described):
+    if any(described != asdict(order) for described in orders_of(entries)):
         return None
     return shard_of(order, layout_of(entries), world, rank, epoch)
 

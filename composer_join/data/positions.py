@@ -169,6 +169,13 @@ class Position(abc.ABC):
     def load(self, state: Any) -> None:
         """Restore :meth:`save`'s ``state`` before the first batch of a resumed run is read."""
 
+    def kept(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every rank's gathered entry (its ``dataset``: what :meth:`save` gave on that rank) as the checkpoint holds
+        it; called on every rank with the same ``entries``. By default as gathered (each rank's position is its own);
+        a position that is the same on every rank may keep it once (a global-order sampler's description:
+        :mod:`composer_join.data.elastic`)."""
+        return entries
+
 
 class SampleCountPosition(Position):
     """Composer's protocol: ``state_dict(num_samples, from_beginning)`` and ``load_state_dict(state)``.

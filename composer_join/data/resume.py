@@ -170,7 +170,9 @@ class RankPositions:
         return int(ts.epoch), int(ts.batch), int(ts.batch_in_epoch), int(ts.sample_in_epoch)
 
     def gather(self, progress: Progress, strict: bool = True) -> None:
-        """Every rank's ``{'trained', 'used', 'sent', 'ended', 'dataset'}`` (its position) now, kept for :meth:`entries`.
+        """Every rank's ``{'trained', 'used', 'sent', 'ended', 'dataset'}`` (its position) now, kept for :meth:`entries`
+        as the adapter keeps them (:meth:`~composer_join.data.positions.Position.kept`: a global-order sampler's
+        description once, in rank 0's entry).
 
         Collective: one ``all_gather_object`` where :attr:`gathers` (the same on every rank: agreed) and none was
         made at this timestamp yet; call it on every rank at the same points. ``progress``: this rank's, now. If some
@@ -207,7 +209,7 @@ class RankPositions:
                 f'rank(s) {failed} cannot save the position of their train data in this checkpoint: '
                 f'{gathered[failed[0]]["error"]}'
             )
-        self._gathered = (now, gathered)
+        self._gathered = (now, self.position.kept(gathered))
 
     def entries(self) -> tuple[Optional[list[dict[str, Any]]], bool]:
         """``(every rank's position, unsaved)`` for a checkpoint now, on this rank alone (no collective).

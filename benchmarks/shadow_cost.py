@@ -20,9 +20,8 @@ processes (``shadow_workloads.py`` says what each measures):
 * **real step**: rank 0's Composer steps with data (the first three left out);
 * **allocated**: bytes allocated in rank 1's steps, with torch's profiler (``profile_memory=True``; on a GPU the
   caching allocator's counters): its first shadow step, a later one, and a real step; **peak above the step
-  start**: the most allocated at once in the step above what was at its start; **peak RSS**: rank 1's peak resident
-  set in a step (Linux's ``VmHWM``, reset at the step's start; on a GPU ``max_memory_allocated``), the median over
-  its shadow steps after the first and over its real steps, in a fit of its own.
+  start**: the most allocated at once in the step above what was at its start, a later shadow step and the real one
+  (not the resident set: glibc keeps freed memory, so it follows the heap's high-water mark, not the tensors).
 
 Times are CPU of the whole process (every thread: gloo's reduction runs in its own), on GPUs the device's (CUDA
 events), medians over repetitions pooled; ``--key`` picks another. Run from the tree to measure (the ranks import
@@ -39,7 +38,6 @@ uneven fits (conv net), per-step main-thread CPU split by ``is_shadow_step`` (``
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -120,10 +118,6 @@ def side_by_side(args: argparse.Namespace) -> None:
             kwargs = {'hidden': hidden, 'long': long, 'short': short, **({'kind': kind} if kind != 'ddp' else {})}
             calls.append((f'{kind}|{name}|memory', 'shadow_workloads:composer_memory', kwargs))
     print(f'load average before: {load_average()}', flush=True)
-    # Every tensor above 64 KiB its own mapping, returned when freed: the resident set follows the live tensors, not
-    # glibc's heap high-water mark (without it an FSDP shadow rank's resident set grew ~9 MB every few steps, live
-    # tensors constant).
-    os.environ.setdefault('MALLOC_MMAP_THRESHOLD_', '65536')
     res = launch(2, calls, timeout=3600, progress=args.progress)
     print(f'load average after: {load_average()}; composer_join from {res["warm-up"][1]["composer_join"]}')
     key = args.key or ('device' if 'device' in res['warm-up'][0] else 'cpu')
@@ -131,10 +125,9 @@ def side_by_side(args: argparse.Namespace) -> None:
     print(
         '| wrapper | parameters | shadow step ms | floor ms | **shadow / floor** | zero fill ms | '
         "Composer's collectives ms | stock step, 2 samples ms | torch Join, joined iteration ms | real step ms | "
-        'allocated: shadow step (first; later); real step | peak above the step start: shadow step; real step | '
-        'peak RSS: shadow step; real step |'
+        'allocated: shadow step (first; later); real step | peak above the step start: shadow step; real step |'
     )
-    print('|---|---|---|---|---|---|---|---|---|---|---|---|---|')
+    print('|---|---|---|---|---|---|---|---|---|---|---|---|')
     for kind in args.kinds:
         for name in sizes:
             got: dict[str, list[float]] = {
@@ -159,16 +152,13 @@ def side_by_side(args: argparse.Namespace) -> None:
             steps = sorted(memory['steps'].items())
             shadows = [v for _, v in steps if v['shadow']]
             real = next(v for _, v in steps if not v['shadow'])
-            rss = sorted(memory['rss'].items())
-            rss_shadow = median(v['peak_rss'] for i, v in rss if v['shadow'] and i > SIZES[name][2])
-            rss_real = median(v['peak_rss'] for _, v in rss if not v['shadow'])
             m = {k: median(v) for k, v in got.items()}
             print(
                 f'| {kind} | {name} | {1000 * m["shadow"]:.2f} | {1000 * m["floor"]:.2f} | '
                 f'**{m["shadow"] / m["floor"]:.2f}** | {_ms(m["zero"])} | {1000 * m["composer"]:.2f} | '
                 f'{1000 * m["small"]:.2f} | {_ms(m["joined"])} | {1000 * m["real"]:.1f} | '
                 f'{_mb(shadows[0]["allocated"])}; {_mb(shadows[-1]["allocated"])}; {_mb(real["allocated"])} | '
-                f'{_mb(shadows[-1]["peak"])}; {_mb(real["peak"])} | {_mb(rss_shadow)}; {_mb(rss_real)} |'
+                f'{_mb(shadows[-1]["peak"])}; {_mb(real["peak"])} |'
             )
     if args.raw:
         print(res)

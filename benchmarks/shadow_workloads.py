@@ -209,55 +209,38 @@ def stock_small(hidden: int, long: int, short: int, kind: str = 'ddp') -> dict[s
 
 
 class _Memory(Callback):
-    """torch's profiler (``profile_memory=True``) around the steps ``at`` (indices from 0) on the last rank, and the
-    peak resident set of its other steps; on a GPU the CUDA caching allocator's counters instead (bytes allocated in
-    the step, peak above the step's start; ``peak_rss``: ``max_memory_allocated`` in the step)."""
+    """torch's profiler (``profile_memory=True``) around the steps ``at`` (indices from 0) on the last rank; on a GPU
+    the CUDA caching allocator's counters instead (bytes allocated in the step, its peak above the step's start)."""
 
     def __init__(self, at: list[int]):
         self.at = set(at) if dist.get_global_rank() == dist.get_world_size() - 1 else set()
         self.found: dict[int, dict[str, Any]] = {}
-        self.rss: dict[int, dict[str, Any]] = {}  # the steps not profiled: the process's peak resident set in the step
         self._prof: Any = None
         self._gpu = (0, 0)  # on a GPU: bytes allocated so far, and allocated now, at the step's start
         self._step = 0
 
     def batch_start(self, state, logger):
-        if self.at and devices.device() == 'gpu':  # the caching allocator's own counters, every step
+        if self._step not in self.at:
+            return
+        if devices.device() == 'gpu':
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self._gpu = (torch.cuda.memory_stats()['allocated_bytes.all.allocated'], torch.cuda.memory_allocated())
-        elif self.at:
-            _reset_peak_rss()
-        if self._step in self.at and devices.device() != 'gpu':
+        else:
             self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
             self._prof.__enter__()
 
     def batch_end(self, state, logger):
-        if self.at and devices.device() == 'gpu':
+        if self._step in self.at and devices.device() == 'gpu':
             torch.cuda.synchronize()
             allocated = torch.cuda.memory_stats()['allocated_bytes.all.allocated'] - self._gpu[0]
             peak = torch.cuda.max_memory_allocated() - self._gpu[1]
-            if self._step in self.at:
-                self.found[self._step] = {'shadow': is_shadow_step(state), 'allocated': allocated, 'peak': peak}
-            else:
-                self.rss[self._step] = {'shadow': is_shadow_step(state), 'peak_rss': torch.cuda.max_memory_allocated()}
-        elif self.at and self._step not in self.at:
-            self.rss[self._step] = {'shadow': is_shadow_step(state), 'peak_rss': _peak_rss()}
-        if self._prof is not None:
+            self.found[self._step] = {'shadow': is_shadow_step(state), 'allocated': allocated, 'peak': peak}
+        elif self._prof is not None:
             self._prof.__exit__(None, None, None)
             self.found[self._step] = {'shadow': is_shadow_step(state), **_allocations(self._prof)}
             self._prof = None
         self._step += 1
-
-
-def _reset_peak_rss() -> None:
-    with open('/proc/self/clear_refs', 'w') as f:  # Linux: "5" resets the peak resident set (VmHWM)
-        f.write('5')
-
-
-def _peak_rss() -> int:
-    with open('/proc/self/status') as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmHWM:'))
 
 
 def _allocations(prof: Any) -> dict[str, int]:
@@ -283,7 +266,7 @@ def composer_memory(hidden: int, long: int, short: int, kind: str = 'ddp') -> di
     dist.barrier()
     trainer.fit()
     trainer.close()
-    return {'steps': memory.found, 'rss': memory.rss}
+    return {'steps': memory.found}
 
 
 def torch_join(hidden: int, long: int, short: int) -> dict[str, Any]:
@@ -462,5 +445,7 @@ def composer_profile(hidden: int, long: int, short: int, kind: str = 'ddp') -> d
         return {'text': ''}
     out = io.StringIO()
     stats = pstats.Stats(prof.profile, stream=out)
-    stats.sort_stats(os.environ.get('SHADOW_PROFILE_SORT', 'tottime')).print_stats(os.environ.get('SHADOW_PROFILE_FILTER', ''), 25)
+    stats.sort_stats(os.environ.get('SHADOW_PROFILE_SORT', 'tottime')).print_stats(
+        os.environ.get('SHADOW_PROFILE_FILTER', ''), 25
+    )
     return {'text': out.getvalue(), 'steps': prof.seen - 2}

@@ -3,7 +3,7 @@
 Not a test module (its logic is tested on the CPU in ``test_gpu_check.py``). Run as a script::
 
     python tests/gpu_suite.py test    # make test-gpu
-    python tests/gpu_suite.py bench   # make bench-gpu (benchmarks/run.py --max-ranks <GPUs>)
+    python tests/gpu_suite.py bench   # make bench-gpu (benchmarks/run.py --max-ranks <GPUs>, shadow_cost.py)
 
 * 2 or more GPUs: one GPU per rank, NCCL (``COMPOSER_JOIN_DEVICE=gpu``); launches with more ranks
   than GPUs are skipped, with the reason.
@@ -147,7 +147,8 @@ def run_tests(p: Plan, extra: list[str]) -> int:
 
 
 def run_bench(gpus: int, extra: list[str]) -> int:
-    """``benchmarks/run.py`` with one rank per GPU (NCCL), world sizes up to the GPU count.
+    """``benchmarks/run.py`` with one rank per GPU (NCCL), world sizes up to the GPU count; then, on 2 GPUs or more,
+    ``benchmarks/shadow_cost.py`` (a shadow step beside its floor, device time and the caching allocator's bytes).
 
     Below 2 GPUs nothing can run (NCCL needs a GPU per rank), and ``benchmarks/gpu/results.md`` says so.
     """
@@ -161,7 +162,14 @@ def run_bench(gpus: int, extra: list[str]) -> int:
         *extra,
     ]
     print(f'make bench-gpu: world sizes up to {gpus} ({gpus} GPUs, one per rank, NCCL)', flush=True)
-    return subprocess.call(cmd, env={**os.environ, devices.ENV: 'gpu'})
+    env = {**os.environ, devices.ENV: 'gpu'}
+    code = subprocess.call(cmd, env=env)
+    if gpus >= 2:  # a shadow step beside its floor in device time (issue 52), on 2 GPUs
+        print('make bench-gpu: benchmarks/shadow_cost.py (2 GPUs, device time)', flush=True)
+        shadow = [sys.executable, str(HERE.parent / 'benchmarks' / 'shadow_cost.py')]
+        root = str(HERE.parent)
+        code = subprocess.call(shadow, cwd=root, env={**env, 'PYTHONPATH': root}) or code
+    return code
 
 
 def main(argv: list[str]) -> int:

@@ -155,10 +155,7 @@ def _parallelism(kind: str) -> Any:
     """Composer's ``parallelism_config`` for ``kind`` (``'ddp'``: None), with the tests' CPU workarounds for FSDP."""
     if kind == 'ddp':
         return None
-    tests = str(Path(__file__).resolve().parent.parent / 'tests')
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    from scenarios_fsdp import cpu_fsdp_workarounds, parallelism
+    from scenarios_fsdp import cpu_fsdp_workarounds, parallelism  # tests/ (on the path since devices' import)
 
     cpu_fsdp_workarounds()
     return parallelism(kind, {})

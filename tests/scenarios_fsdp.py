@@ -79,6 +79,10 @@ class Recorder(Callback):
         self.losses: list[float] = []
         self.microbatch_sizes: list[list[int]] = []
         self.steps: list[dict[str, Any]] = []  # per step: epoch, and the sample ids of batches that carry them
+        # per evaluation: the samples a callback counts at EVAL_BEFORE_FORWARD where is_shadow_step is False, and
+        # whether it said True at an EVAL_BATCH_END
+        self.eval_samples: list[int] = []
+        self.eval_shadow_at_batch_end: list[bool] = []
 
     def fit_start(self, state, logger):
         self.start_batch = int(state.timestamp.batch)
@@ -97,6 +101,17 @@ class Recorder(Callback):
 
     def batch_end(self, state, logger):
         self.shadow.append(is_shadow_step(state))
+
+    def eval_start(self, state, logger):
+        self.eval_samples.append(0)
+
+    def eval_before_forward(self, state, logger):
+        if not is_shadow_step(state):  # a callback counting the samples evaluated (a stand-in's are not data)
+            x = state.batch[0] if isinstance(state.batch, (tuple, list)) else state.batch
+            self.eval_samples[-1] += len(x['x']) if isinstance(x, dict) else len(x)
+
+    def eval_batch_end(self, state, logger):
+        self.eval_shadow_at_batch_end.append(is_shadow_step(state))
 
 
 class FSDPToyModel(ToyModel):
@@ -207,6 +222,8 @@ def train(cfg: dict, recorder: Optional[Recorder] = None) -> dict[str, Any]:
         'shadow': recorder.shadow,
         'microbatch_sizes': recorder.microbatch_sizes,
         'steps': recorder.steps,
+        'eval_samples': recorder.eval_samples,
+        'eval_shadow_at_batch_end': recorder.eval_shadow_at_batch_end,
         'timestamp': {'batch': int(ts.batch), 'sample': int(ts.sample), 'epoch': int(ts.epoch)},
         'reports': [vars(r).copy() for r in join.reports] if join is not None else [],
         'collectives': counter.steps,

@@ -261,6 +261,14 @@ def test_uneven_evaluation_is_exact(runs, w, case):
     # partial one (3 samples) 1, a shadow one 1 (padded to 2); after training, or in trainer.eval() alone
     for name in expand([f'{w}_{case}'], SCENARIOS):
         reference.assert_evaluation_like_reference(ok(runs, name), SCENARIOS[name])
+        for rank, res in enumerate(ok(runs, name)):
+            # a callback that skips is_shadow_step counts this rank's own eval samples only: not the template
+            # samples of a microbatch that pads a real batch (a partial batch of 3: one microbatch, padded to 2)
+            shard = SCENARIOS[name]['eval_shards'][rank]
+            assert res['eval_samples'] and set(res['eval_samples']) == {shard}, (name, rank, res['eval_samples'])
+            batches = -(-shard // 4)  # the batches of this rank's shard end real; the others shadow
+            ends = res['eval_shadow_at_batch_end'][: -(-max(SCENARIOS[name]['eval_shards']) // 4)]
+            assert ends == [False] * batches + [True] * (len(ends) - batches), (name, rank, ends)
 
 
 def test_branch_unused_by_some_rank(runs):

@@ -365,7 +365,9 @@ def is_shadow_step(state: State) -> bool:
     training and evaluation, or without an active :class:`UnevenJoin`, it is False. Inside a training step it is
     also True for a stand-in microbatch, from its ``BEFORE_FORWARD`` to its ``AFTER_BACKWARD``: one that pads this
     rank's microbatches to the step's largest count (FSDP; DDP where the forward communicates), whose batch is the
-    stand-in's (two template samples, weighted zero, or zero samples), not data to count.
+    stand-in's (two template samples, weighted zero, or zero samples), not data to count; inside an evaluation
+    batch likewise for a microbatch padding it (FSDP), from its ``EVAL_BEFORE_FORWARD`` to its ``EVAL_AFTER_FORWARD``
+    (False again at the real batch's ``EVAL_BATCH_END``).
 
     Example::
 

@@ -98,6 +98,13 @@ class EvalSession:
         """This rank runs a shadow batch: it has run out of data, others have not."""
         return self.loader is not None and self.loader.shadowing
 
+    @property
+    def shadows_now(self) -> bool:
+        """What :func:`~composer_join.is_shadow_step` reports: a shadow batch, or, in a real batch, a stand-in
+        microbatch running (one padding this rank's microbatches to the batch's largest count, FSDP), from its
+        ``EVAL_BEFORE_FORWARD`` until the batch's ``EVAL_BATCH_END``."""
+        return self.shadow_step or self.microbatches.in_stand_in()
+
     def wants(self, event: Event, state: State) -> bool:
         """Every event it routes; at ``*_BEFORE_FORWARD`` the batch's record is made here, for the algorithm pass."""
         if event in _BEFORE_FORWARD:
@@ -131,4 +138,5 @@ class EvalSession:
             self.microbatches.keep_eval_metrics_out(record)
 
     def batch_end(self, state: State) -> None:
+        self.microbatches.microbatches_over()  # (before the callbacks: the batch that ends was real or shadow)
         self.microbatches.metrics_back(state.eval_metrics.get(state.dataloader_label))

@@ -177,7 +177,7 @@ class Microbatches:
         return step is not None and step.running and step.microbatch is not None and step.microbatch.shadow
 
     def microbatches_over(self) -> None:
-        """The step's microbatches have run (``AFTER_TRAIN_BATCH``): none is current any more."""
+        """The step's microbatches have run (``AFTER_TRAIN_BATCH``, ``EVAL_BATCH_END``): none is current any more."""
         if self._step is not None:
             self._step[1].running = False
 

@@ -93,10 +93,9 @@ class Run:
 
     @property
     def shadows_now(self) -> bool:
-        """:func:`~composer_join.is_shadow_step`: the current session's shadow step, or (training) stand-in
-        microbatch."""
+        """:func:`~composer_join.is_shadow_step`: the current session's shadow step, or stand-in microbatch."""
         session = self.session
-        return session is not None and (session.shadows_now if session is self.fit else session.shadow_step)
+        return session is not None and session.shadows_now
 
     def wants(self, event: Event, state: State) -> bool:
         """Whether UnevenJoin runs at ``event`` (``match``): the fit's events as its session decides, an evaluation's

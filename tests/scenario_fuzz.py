@@ -32,15 +32,17 @@ Drawn now:
   (the rest of the first fit, a second fit, evaluations, predict), per-rank lists (train shards of per-rank data,
   eval and predict shards) covering ``max(world, resume_world)`` ranks, each run taking its first ones; per-rank
   shard data resumed mid-epoch is expected to stop every rank of the second launch with ``UnevenInputsError``.
-* life: a chain of resumptions (``chain_world``, ``chain_at``; 30% of those on another world size, ``--chain`` draws
-  only them): the second launch fits on saving after every batch, and its checkpoint after step ``chain_at`` (aimed
-  a third each inside the rest of the epoch the first resumption interrupted, where it has two steps or more, at an
-  epoch's last batch, where there is one, and anywhere after ``resume_at``, where the others fall back to) is
-  resumed by a third launch on ``chain_world`` ranks (1 to 3, not ``resume_world``; it may be ``world``:
-  2 -> 3 -> 2), which lives the rest of the scenario; per-rank lists cover every run's ranks. The reference deals what the second run's ranks had not used of their shares over the third
-  run's (``fuzz_reference.epoch_batches``). Per-rank shard data resumed again mid-epoch is expected to stop every
-  rank of the third launch with ``UnevenInputsError``; per-rank shard data resumed mid-epoch the first time (the
-  second launch refused) gets no chain, nor does a resumed run with no step after ``resume_at`` but its last.
+* life: a chain of resumptions (``chain_world``, ``chain_at``; drawn for 30% of those on another world size, kept
+  where the rules below allow: about 8% of the ``--elastic`` draws, 34 of seeds 400000's first 400; ``--chain``
+  draws only them): the second launch fits on saving after every batch, and its checkpoint after step
+  ``chain_at`` (aimed a third each inside the rest of the epoch the first resumption interrupted, where it has two
+  steps or more, at an epoch's last batch, where there is one, and anywhere after ``resume_at``, where the others
+  fall back to) is resumed by a third launch on ``chain_world`` ranks (1 to 3, not ``resume_world``; it may be
+  ``world``: 2 -> 3 -> 2), which lives the rest of the scenario; per-rank lists cover every run's ranks. The
+  reference deals what the second run's ranks had not used of their shares over the third run's
+  (``fuzz_reference.epoch_batches``). Per-rank shard data resumed again mid-epoch is expected to stop every rank of
+  the third launch with ``UnevenInputsError``; per-rank shard data resumed mid-epoch the first time (the second
+  launch refused) gets no chain, nor does a resumed run with no step after ``resume_at`` but its last.
 
 * life: one ``UnevenJoin`` in two Trainers (``twin``: after the first fit, a second Trainer given the first's
   ``UnevenJoin`` trains the first fit again from scratch; the first Trainer's life then goes on).

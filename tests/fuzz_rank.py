@@ -6,7 +6,9 @@ returns plain data for the checker: the ids of the real samples each step traine
 the timestamp, the evaluations' metrics, the predictions, or the error it raised. Many scenarios run one after
 another in one launch (one process group). A scenario resumed on another world size (``resume_world``) takes two
 launches: :func:`save_first_fit` on ``world`` ranks, then :func:`run` on ``resume_world`` ranks, resuming from the
-first's checkpoint in the folder both are given. Not a test module.
+first's checkpoint in the folder both are given; a chained one (``chain_world``) three: :func:`save_first_fit`,
+:func:`save_resumed_fit` on ``resume_world`` ranks (loading the first's checkpoint, saving its own), then :func:`run`
+on ``chain_world`` ranks from the second's checkpoint after ``chain_at``. Not a test module.
 """
 
 from __future__ import annotations
@@ -377,9 +379,10 @@ def saving_fit(sc: dict, rank: int, folder: str) -> dict[int, list[int]]:
     return before.steps
 
 
-def checkpoint(sc: dict, folder: str) -> str:
-    """The checkpoint after batch ``resume_at`` in ``folder``."""
-    pattern = f'ep*-ba{sc["resume_at"]}' + ('' if sc.get('wrapper') else '-rank0.pt')  # FSDP: a sharded folder
+def checkpoint(sc: dict, folder: str, at: Optional[int] = None) -> str:
+    """The checkpoint after batch ``at`` (default: ``resume_at``) in ``folder``."""
+    at = sc['resume_at'] if at is None else at
+    pattern = f'ep*-ba{at}' + ('' if sc.get('wrapper') else '-rank0.pt')  # FSDP: a sharded folder
     (path,) = glob.glob(os.path.join(folder, pattern))
     return path
 
@@ -399,7 +402,7 @@ def first_fit(sc: dict, rank: int, folder: Optional[str] = None) -> tuple[Traine
     else:
         folder = folder_for(sc)
         before = saving_fit(sc, rank, folder)
-    trainer, model, steps = build(sc, rank, load_path=checkpoint(sc, folder))
+    trainer, model, steps = build(sc, rank, load_path=checkpoint(sc, folder, sc.get('chain_at')))
     retried(trainer.fit)
     merged = {t: ids for t, ids in before.items() if t < sc['resume_at']}
     merged.update(steps.steps)
@@ -417,11 +420,26 @@ def save_first_fit(sc: dict, folder: str) -> dict[str, Any]:
         return {'error': (type(e).__name__, str(e)[:2000]), 'steps': {}}
 
 
+def save_resumed_fit(sc: dict, folder: str, save_folder: str) -> dict[str, Any]:
+    """The second launch of a chained scenario (``chain_world``), on ``resume_world`` ranks: the first launch's
+    checkpoint after ``resume_at`` (in ``folder``) loaded, the first ``fit()`` on to its end saving after every batch
+    into ``save_folder`` (which outlives the launch); ``{'error', 'steps'}`` for the checker."""
+    assert dist.get_world_size() == sc['resume_world'], (dist.get_world_size(), sc['resume_world'])
+    try:
+        save = dict(save_folder=save_folder, save_interval='1ba', save_overwrite=True, save_num_checkpoints_to_keep=-1)
+        trainer, _, steps = build(sc, dist.get_global_rank(), load_path=checkpoint(sc, folder), **save)
+        retried(trainer.fit)
+        trainer.close()
+        return {'error': None, 'steps': steps.steps}
+    except Exception as e:  # the checker fails the scenario with it
+        return {'error': (type(e).__name__, str(e)[:2000]), 'steps': {}, 'traceback': traceback.format_exc()[-3000:]}
+
+
 def run(sc: dict, folder: Optional[str] = None) -> dict[str, Any]:
     """The scenario's life on this rank; see the module docstring. Resumed on another world size: the life after
     the first launch (:func:`save_first_fit`, into ``folder``), on ``resume_world`` ranks."""
     rank = dist.get_global_rank()
-    world = sc.get('resume_world') or sc['world']
+    world = sc.get('chain_world') or sc.get('resume_world') or sc['world']
     assert dist.get_world_size() == world, (dist.get_world_size(), world)
     out: dict[str, Any] = {'error': None}
     started = time.monotonic()

@@ -25,7 +25,11 @@ means, written from the documented semantics (docs/what-it-computes.md, docs/reb
   batch size, then the batch transform (on the new batches: 'drop' drops their last samples, not the old
   batches'), scheduled by the mode on ``W'`` ranks (a checkpoint of an epoch's last batch leaves nothing); later
   epochs (and a second ``fit``) shard for ``W'``; each step's gradient is times ``A_t / W_t`` with the world size
-  that trains it.
+  that trains it;
+* a chained resumption (``chain_world``, ``chain_at``: the resumed run's checkpoint resumed again on ``W''``): the
+  same rule on what the second run's ranks had not used of their shares (inside the rest of an interrupted epoch:
+  its shares of that rest, each new rank's used prefix dropped, concatenated in rank order, dealt every ``W''``-th;
+  :func:`epoch_batches`), then ``W''``'s epochs.
 
 BatchNorm normalises each rank's microbatch by itself: the reference runs every microbatch's forward on its own,
 so trained parameters do not depend on running statistics (those are left to the ranks: evaluation is checked with
@@ -137,7 +141,9 @@ class Net(torch.nn.Module):
             return
         # no bias before BatchNorm: its true gradient is 0, and Adam would turn float noise there into steps of lr
         self.inp = torch.nn.Linear(FEATURES, 8, bias=kind not in ('bn', 'sync'))
-        norms = {'bn': lambda: torch.nn.BatchNorm1d(8), 'sync': lambda: SyncNorm(8, distributed)}
+        # eps 0.1 as SyncNorm's: with BatchNorm1d's 1e-5, a two-sample microbatch (a 'views' batch of 3 split 4 + 2)
+        # turns the ranks' float noise into 2.0e-6 from the reference, stock Composer on even shards too (seed 642866)
+        norms = {'bn': lambda: torch.nn.BatchNorm1d(8, eps=0.1), 'sync': lambda: SyncNorm(8, distributed)}
         self.norm = norms.get(kind, torch.nn.Identity)()
         if kind == 'deep':
             self.block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
@@ -274,19 +280,57 @@ def epoch_steps(sc: dict, epoch: int, world: Optional[int] = None) -> list[list[
     return _samples(sc, owned_steps(sc, epoch, world or sc['world']))
 
 
+def resumptions(sc: dict) -> list[tuple[int, int]]:
+    """Each resumption on another world size, in order: ``(global step of its checkpoint, world size resuming it)``;
+    the first (``resume_at`` on ``resume_world``), then the chained one (``chain_at`` on ``chain_world``: the resumed
+    run's own checkpoint resumed by a third run), which needs the first."""
+    if not sc.get('resume_world') or sc.get('resume_at') is None:
+        return []
+    out = [(sc['resume_at'], sc['resume_world'])]
+    if sc.get('chain_world') and sc.get('chain_at') is not None:
+        out.append((sc['chain_at'], sc['chain_world']))
+    return out
+
+
+def world_at(sc: dict, step: int) -> int:
+    """The world size that trains global step ``step`` (0-based): the last resumption whose checkpoint is at or
+    before it."""
+    world = sc['world']
+    for at, new in resumptions(sc):
+        if at <= step:
+            world = new
+    return world
+
+
+def _scheduled(sc: dict, shares: list[list[int]]) -> list[list[Optional[Owned]]]:
+    """:func:`schedule` of the ranks' ``shares`` (each rank's ids, in its loader's order) in batches."""
+    b = sc['batch']
+    return schedule(sc, [[(r, ids[k : k + b]) for k in range(0, len(ids), b)] for r, ids in enumerate(shares)])
+
+
+def _dealt(shares: list[list[int]], done: list[list[Optional[Owned]]], new: int) -> list[list[int]]:
+    """Per rank of ``new``, its share of what the ranks of ``shares`` had not used after the steps ``done``: each old
+    rank's share without the samples it had used (trained, or given away rebalancing: a prefix of its loader),
+    concatenated in old rank order; new rank ``q`` takes every ``new``-th from the ``q``-th
+    (``composer_join.data.elastic.shard_of``'s rule, written here from docs/reliability.md; ``shares`` is itself a
+    share of a resumed epoch for a chained resumption inside it)."""
+    used = [0] * len(shares)
+    for step in done:
+        for batch in step:
+            if batch is not None:
+                used[batch[0]] += len(batch[1])
+    left = [i for r, ids in enumerate(shares) for i in ids[used[r] :]]
+    return [left[q::new] for q in range(new)]
+
+
 def rest_ids(sc: dict, epoch: int, done: int) -> list[list[int]]:
     """Per rank of ``resume_world``, the ids of ``epoch`` it trains after a checkpoint taken ``done`` steps into that
     epoch on ``world`` ranks (map-style data): every old rank's shard of the epoch, without the samples it had used
     (trained, or given away rebalancing: a prefix of its loader), concatenated in old rank order; new rank ``q`` of
     ``W'`` takes every ``W'``-th from the ``q``-th."""
-    old, new = sc['world'], sc['resume_world']
-    used = [0] * old
-    for step in owned_steps(sc, epoch, old)[:done]:
-        for batch in step:
-            if batch is not None:
-                used[batch[0]] += len(batch[1])
-    left = [i for r in range(old) for i in rank_ids(sc, r, epoch, old)[used[r] :]]
-    return [left[q::new] for q in range(new)]
+    old = sc['world']
+    shares = [rank_ids(sc, r, epoch, old) for r in range(old)]
+    return _dealt(shares, owned_steps(sc, epoch, old)[:done], sc['resume_world'])
 
 
 def rest_batches(sc: dict, epoch: int, done: int) -> list[list[Optional[Owned]]]:
@@ -296,9 +340,7 @@ def rest_batches(sc: dict, epoch: int, done: int) -> list[list[Optional[Owned]]]
     mid-epoch it is refused: none here either)."""
     if sc['source'] not in ('exact', 'torch'):
         return []
-    b = sc['batch']
-    per_rank = [[(q, ids[k : k + b]) for k in range(0, len(ids), b)] for q, ids in enumerate(rest_ids(sc, epoch, done))]
-    return schedule(sc, per_rank)
+    return _scheduled(sc, rest_ids(sc, epoch, done))
 
 
 def rest_steps(sc: dict, epoch: int, done: int) -> list[list[Optional[list[Sample]]]]:
@@ -310,52 +352,88 @@ def rest_steps(sc: dict, epoch: int, done: int) -> list[list[Optional[list[Sampl
     return _samples(sc, rest_batches(sc, epoch, done))
 
 
-def resumed_in(sc: dict) -> Optional[tuple[int, int]]:
-    """For a scenario resumed on another world size: ``(epoch, steps of it done)`` at its checkpoint (done = the
-    epoch's length for the checkpoint of its last batch: an epoch boundary); else None."""
-    if not sc.get('resume_world') or sc.get('resume_at') is None:
-        return None
-    before, epoch = 0, 0
+def epoch_batches(sc: dict, epoch: int, start: int) -> list[list[Optional[Owned]]]:
+    """The steps of ``epoch``, whose first step is global step ``start``, as the loaders yield them: the shards of
+    the world size training ``start``, cut at each resumption on another world size inside the epoch, the rest
+    dealt over the new ranks (:func:`_dealt`) and scheduled anew, again at a chained resumption inside that rest.
+    Per-rank shard data leaves no rest (mid-epoch it is refused). A checkpoint of the epoch's last batch cuts
+    nothing: the next epoch starts on the new world size (:func:`world_at`)."""
+    return _epoch(sc, epoch, start)[0]
+
+
+def _epoch(sc: dict, epoch: int, start: int) -> tuple[list[list[Optional[Owned]]], list[int]]:
+    """:func:`epoch_batches`, and the global steps of the checkpoints that cut it (mid-epoch resumptions)."""
+    world = world_at(sc, start)
+    shares = [rank_ids(sc, r, epoch, world) for r in range(world)]
+    out: list[list[Optional[Owned]]] = []
+    cuts: list[int] = []
     while True:
-        n = len(epoch_steps(sc, epoch))
-        if before + n >= sc['resume_at']:
-            return epoch, sc['resume_at'] - before
-        before, epoch = before + n, epoch + 1
+        steps = _scheduled(sc, shares)
+        here = start + len(out)
+        cut = next(((at, new) for at, new in resumptions(sc) if here < at < here + len(steps)), None)
+        if cut is None:
+            return out + steps, cuts
+        done = steps[: cut[0] - here]
+        out += done
+        cuts.append(cut[0])
+        shares = _dealt(shares, done, cut[1]) if sc['source'] in ('exact', 'torch') else [[] for _ in range(cut[1])]
+
+
+def resumptions_in(sc: dict) -> list[tuple[int, int, bool]]:
+    """Per resumption on another world size (:func:`resumptions`): ``(epoch, steps of it done, mid-epoch)`` at its
+    checkpoint (the checkpoint of an epoch's last batch: ``done`` its length, not mid-epoch)."""
+    wanted = [at for at, _ in resumptions(sc)]
+    out: list[tuple[int, int, bool]] = []
+    start, epoch = 0, 0
+    while len(out) < len(wanted) and epoch < 1000:
+        steps, cuts = _epoch(sc, epoch, start)
+        out += [(epoch, at - start, at in cuts) for at in wanted if start < at <= start + len(steps)]
+        start, epoch = start + len(steps), epoch + 1
+    return out
+
+
+def resumed_in(sc: dict) -> Optional[tuple[int, int]]:
+    """For a scenario resumed on another world size: ``(epoch, steps of it done)`` at its (first) checkpoint (done =
+    the epoch's length for the checkpoint of its last batch: an epoch boundary); else None."""
+    found = resumptions_in(sc)
+    return (found[0][0], found[0][1]) if found else None
 
 
 def mid_epoch(sc: dict) -> bool:
-    """Resumed on another world size from a checkpoint inside an epoch (not after its last batch)."""
-    at = resumed_in(sc)
-    return at is not None and at[1] < len(epoch_steps(sc, at[0]))
+    """Resumed on another world size from a checkpoint inside an epoch (not after its last batch): the first
+    resumption's, or a chained one's."""
+    return any(mid for _, _, mid in resumptions_in(sc))
 
 
 def world_of(sc: dict, epoch: int) -> int:
-    """The world size whose shards make ``epoch``'s data: ``resume_world`` after the epoch resumed on it."""
-    at = resumed_in(sc)
-    return sc['resume_world'] if at is not None and epoch > at[0] else sc['world']
+    """The world size whose shards make ``epoch``'s data: the world size it started on (the new one after an epoch
+    a resumption interrupted or ended)."""
+    world = sc['world']
+    for (e, _, _), (_, new) in zip(resumptions_in(sc), resumptions(sc)):
+        if e < epoch:
+            world = new
+    return world
 
 
 def final_world(sc: dict) -> int:
     """The world size the scenario ends on (evaluations and predictions run there)."""
-    return sc.get('resume_world') or sc['world']
+    found = resumptions(sc)
+    return found[-1][1] if found else sc['world']
 
 
 def planned_batches(sc: dict) -> list[tuple[int, list[Optional[Owned]]]]:
     """Every step the run trains, with its epoch, as the loaders yield it (before the batch transform): the duration,
     then one more epoch if ``refit``; resumed on another world size: the steps of ``world`` up to ``resume_at``, the
-    interrupted epoch's :func:`rest_batches`, then ``resume_world``'s epochs (durations count across both runs,
-    in the samples and tokens the transform leaves)."""
+    interrupted epoch's rest dealt over ``resume_world`` ranks, then ``resume_world``'s epochs, and so on at a
+    chained resumption (:func:`epoch_batches`; durations count across the runs, in the samples and tokens the
+    transform leaves)."""
     value, unit = sc['duration']
-    at = resumed_in(sc)
     out: list[tuple[int, list[Optional[Owned]]]] = []
     samples, epoch = 0, 0
     while True:
         if unit == 'ep' and epoch == value:
             break
-        steps = owned_steps(sc, epoch, world_of(sc, epoch))
-        if at is not None and epoch == at[0]:
-            steps = steps[: at[1]] + rest_batches(sc, epoch, at[1])
-        for step in steps:
+        for step in epoch_batches(sc, epoch, len(out)):
             out.append((epoch, step))
             counted = [i for s in _samples(sc, [step])[0] if s for i, _ in s]
             samples += len(counted) if unit == 'sp' else tokens_of(counted)
@@ -366,7 +444,7 @@ def planned_batches(sc: dict) -> list[tuple[int, list[Optional[Owned]]]]:
             continue
         break
     if sc.get('refit'):
-        out += [(epoch, step) for step in owned_steps(sc, epoch, world_of(sc, epoch))]
+        out += [(epoch, step) for step in epoch_batches(sc, epoch, len(out))]
     return out
 
 
@@ -468,8 +546,7 @@ def regrouped(sc: dict, epoch: int) -> bool:
     ('drop': its last sample): the rest of the epoch is batched anew (:func:`rest_steps`), so the samples the
     transform leaves are not :func:`expected_counts`' (the old shards' batches); the samples loaded still are
     :func:`expected_loaded`."""
-    at = resumed_in(sc)
-    return sc.get('transform') == 'drop' and at is not None and at[0] == epoch and mid_epoch(sc)
+    return sc.get('transform') == 'drop' and any(e == epoch and mid for e, _, mid in resumptions_in(sc))
 
 
 # ----------------------------------------------------------------------------------------------- eval, predict

@@ -32,6 +32,17 @@ Drawn now:
   (the rest of the first fit, a second fit, evaluations, predict), per-rank lists (train shards of per-rank data,
   eval and predict shards) covering ``max(world, resume_world)`` ranks, each run taking its first ones; per-rank
   shard data resumed mid-epoch is expected to stop every rank of the second launch with ``UnevenInputsError``.
+* life: a chain of resumptions (``chain_world``, ``chain_at``; drawn for 30% of those on another world size, kept
+  where the rules below allow: about 8% of the ``--elastic`` draws, 34 of seeds 400000's first 400; ``--chain``
+  draws only them): the second launch fits on saving after every batch, and its checkpoint after step
+  ``chain_at`` (aimed a third each inside the rest of the epoch the first resumption interrupted, where it has two
+  steps or more, at an epoch's last batch, where there is one, and anywhere after ``resume_at``, where the others
+  fall back to) is resumed by a third launch on ``chain_world`` ranks (1 to 3, not ``resume_world``; it may be
+  ``world``: 2 -> 3 -> 2), which lives the rest of the scenario; per-rank lists cover every run's ranks. The
+  reference deals what the second run's ranks had not used of their shares over the third run's
+  (``fuzz_reference.epoch_batches``). Per-rank shard data resumed again mid-epoch is expected to stop every rank of
+  the third launch with ``UnevenInputsError``; per-rank shard data resumed mid-epoch the first time (the second
+  launch refused) gets no chain, nor does a resumed run with no step after ``resume_at`` but its last.
 
 * life: one ``UnevenJoin`` in two Trainers (``twin``: after the first fit, a second Trainer given the first's
   ``UnevenJoin`` trains the first fit again from scratch; the first Trainer's life then goes on).
@@ -40,8 +51,12 @@ Drawn now:
   does: one rank's forward, loss or backward raises Composer's recognised OOM at one of its real steps; Composer
   halves the microbatch size on every rank and retries the step).
 
-Not yet drawn: an exception on only some ranks, a second ``eval()`` before any ``fit()``, a chain of resumptions
-(2 -> 3 -> 2).
+Not yet drawn: DDP's ``static_graph`` where a resumed Trainer's first step splits into different microbatch counts
+(its new DDP's first iteration: every rank of that launch stops, by design; not predicted), an exception on only
+some ranks, a second ``eval()`` before any ``fit()``, a chain of three
+resumptions or more, a chained resumption on the world size it resumes (``chain_world == resume_world``: the
+layout-keeping rule, each rank going on with its own share, is not in the reference), a twin or an out-of-memory
+error beside any resumption.
 
 A scenario passes when: every rank's parameters are within :data:`TOL` of the reference's, every rank holds the
 same state (parameters and buffers), each step trained exactly the reference's samples (so every id as often as
@@ -51,7 +66,9 @@ trained as the transform leaves the data's batches, except an epoch resumed mid-
 samples, evaluations equal one process's over the union (every eval id exactly once), predictions are every
 rank's own samples; or, where the scenario predicts it, every rank raised ``UnevenInputsError``. A hang is a
 launch timeout. Resumed on another world size, the steps before ``resume_at`` are the first launch's (which must
-have succeeded), the rest, the timestamp, evaluations and predictions the second's.
+have succeeded), the rest, the timestamp, evaluations and predictions the second's; chained, the steps from
+``resume_at`` to before ``chain_at`` are the second launch's (which must have succeeded too), the rest the third's.
+
 
 Command line (``make fuzz N=500 SEED=...``)::
 
@@ -60,6 +77,7 @@ Command line (``make fuzz N=500 SEED=...``)::
     python tests/scenario_fuzz.py --scenario '{"world": 2, ...}'   # one literal scenario
     python tests/scenario_fuzz.py --seed 1 --n 30 --elastic   # the first 30 seeds from 1 resumed on another world size
     python tests/scenario_fuzz.py --seed 1 --n 20 --elastic --only transform=drop   # ... whose transform is 'drop'
+    python tests/scenario_fuzz.py --seed 1 --n 20 --chain     # the first 20 from 1 resumed twice (2 -> 3 -> 2 ...)
 """
 
 from __future__ import annotations
@@ -143,7 +161,7 @@ def draw(seed: int) -> dict[str, Any]:
         sc['model'] = 'sync'
     sc['oom'] = [rng.random(), rng.choice(['forward', 'loss', 'backward'])] if rng.random() < 0.12 else None
     # resumed on another world size: 15% of the resumptions drawn above, and a resumption added to 2% of the others
-    boundary = False
+    boundary, where, fraction = False, 'any', 0.0
     if rng.random() < (0.15 if sc['resume_at'] is not None else 0.02):
         sc['resume_world'] = rng.choice([w for w in (1, 2, 3) if w != world])
         sc['resume_at'] = sc['resume_at'] if sc['resume_at'] is not None else rng.random()
@@ -153,11 +171,23 @@ def draw(seed: int) -> dict[str, Any]:
         if sc['predict_shards'] is not None:
             sc['predict_shards'] += [_size(rng, batch) for _ in range(extra)]
         boundary = rng.random() < 0.35  # from the checkpoint of an epoch's last batch (the nearest one)
+        if rng.random() < 0.3:  # a chain: the resumed run's own checkpoint resumed on a third world size
+            sc['chain_world'] = rng.choice([w for w in (1, 2, 3) if w != sc['resume_world']])
+            fraction, where = rng.random(), rng.choice(['any', 'rest', 'boundary'])
+            sc['chain_at'] = fraction
+            extra = max(0, sc['chain_world'] - max(world, sc['resume_world']))  # the third run's own ranks
+            sc['shards'] += [_size(rng, batch) for _ in range(extra)]
+            sc['eval_shards'] += [_size(rng, sc['eval_batch']) for _ in range(extra)]
+            if sc['predict_shards'] is not None:
+                sc['predict_shards'] += [_size(rng, batch) for _ in range(extra)]
     sc = normalize(sc)
     if boundary and sc.get('resume_world'):
         ends = epoch_ends(sc)
         if ends:
-            sc = normalize({**sc, 'resume_at': min(ends, key=lambda e: (abs(e - sc['resume_at']), e))})
+            resume_at = min(ends, key=lambda e: (abs(e - sc['resume_at']), e))
+            sc = normalize({**sc, 'resume_at': resume_at, **({'chain_at': fraction} if 'chain_at' in sc else {})})
+    if sc.get('chain_at') is not None and where != 'any':
+        sc = normalize({**sc, 'chain_at': _chain_at(sc, where, fraction) or sc['chain_at']})
     return sc
 
 
@@ -166,6 +196,28 @@ def epoch_ends(sc: dict) -> list[int]:
     than the fit's last: the ``resume_at`` values that resume at an epoch boundary."""
     steps = ref.planned_steps({**sc, 'refit': False, 'resume_world': None})
     return [t + 1 for t in range(len(steps) - 1) if steps[t][0] != steps[t + 1][0]]
+
+
+def chain_ends(sc: dict) -> list[int]:
+    """The steps after which a checkpoint of ``sc``'s resumed run (its first fit, from ``resume_at`` on) is an epoch's
+    last batch's, other than the fit's last: the ``chain_at`` values that resume again at an epoch boundary."""
+    steps = ref.planned_steps({**sc, 'refit': False, 'chain_world': None, 'chain_at': None})
+    return [t + 1 for t in range(sc['resume_at'], len(steps) - 1) if steps[t][0] != steps[t + 1][0]]
+
+
+def _chain_at(sc: dict, where: str, fraction: float) -> Optional[int]:
+    """A ``chain_at`` of ``where``: 'boundary' (the epoch end of the resumed run nearest its fraction), 'rest' (a
+    step inside the rest of the epoch the first resumption interrupted, if it has two steps or more); else None."""
+    ends = chain_ends(sc)
+    if where == 'boundary' and ends:
+        return min(ends, key=lambda e: (abs(e - sc['chain_at']), e))
+    if where == 'rest' and ref.mid_epoch({**sc, 'chain_world': None}):
+        end = next((e for e in ends), _second_fit_steps(sc))  # the interrupted epoch's end (or the fit's)
+        if end - sc['resume_at'] >= 2:
+            return (
+                sc['resume_at'] + 1 + min(math.floor(fraction * (end - sc['resume_at'] - 1)), end - sc['resume_at'] - 2)
+            )
+    return None
 
 
 RAISE_EVENTS = ['fit_start', 'epoch_start', 'batch_start', 'after_dataloader', 'before_forward', 'eval_start']
@@ -182,9 +234,14 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
     sc.setdefault('shards', [batch] * world)
     if sc.get('resume_world') not in (None, 1, 2, 3) or sc.get('resume_world') == world:
         sc['resume_world'] = None
-    ranks = _ranks(sc)  # per-rank lists cover both runs' ranks (the first resume_world of them after the resume)
+    if sc.get('chain_world') not in (None, 1, 2, 3) or sc.get('chain_world') == sc.get('resume_world'):
+        sc['chain_world'] = None
+    if not sc.get('resume_world') or not sc.get('chain_world'):  # a chain needs a first resumption
+        sc.pop('chain_world', None)
+        sc.pop('chain_at', None)
+    ranks = _ranks(sc)  # per-rank lists cover every run's ranks (the first resume_world of them after the resume)
     sc['shards'] = (sc['shards'] + [0] * ranks)[:ranks]
-    empty = sum(sc['shards'][:world]) == 0 or sum(sc['shards'][: sc.get('resume_world') or world]) == 0
+    empty = any(sum(sc['shards'][:w]) == 0 for w in _worlds(sc))
     if empty and sc['source'] not in ('exact', 'torch'):
         sc['shards'][0] = 1
     if sc['source'] in ('exact', 'torch'):
@@ -258,10 +315,15 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
     if sc.get('resume_at') is None and sc.get('resume_world'):  # no resumption: no other world size to resume on
         sc['resume_world'] = None
         _per_rank_lists(sc, world)
+    if sc.get('chain_world'):
+        sc['chain_at'] = _chain_step(sc)
+        if sc['chain_at'] is None:  # no chain: per-rank lists of the two runs' ranks
+            sc['chain_world'] = None
+            _per_rank_lists(sc, _ranks(sc))
     if sc.get('resume_world'):
-        _per_rank_lists(sc, ranks)
-        shards = sc.get('eval_shards')  # something to evaluate on both world sizes
-        if shards is not None and (sum(shards[:world]) == 0 or sum(shards[: sc['resume_world']]) == 0):
+        _per_rank_lists(sc, _ranks(sc))
+        shards = sc.get('eval_shards')  # something to evaluate on every world size
+        if shards is not None and any(sum(shards[:w]) == 0 for w in _worlds(sc)):
             shards[0] = 1
     if sc.get('raise_at') is not None:  # an event on every rank, at a step of the first fit, retried once
         event, at = sc['raise_at']
@@ -286,6 +348,11 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
         sc['raise_at'] = sc['raise_at'] if ok else None
     if sc.get('static_graph') and _step0_microbatches(sc) is None:  # a rank without a batch at step 0: not drawn
         sc['static_graph'] = False
+    if sc.get('static_graph') and not _resumed_first_steps_alike(sc):
+        # a resumed Trainer wraps a new DDP, whose first static-graph iteration is its first step: split differently
+        # there, every rank of that launch stops with UnevenInputsError (by design, composer_join/wrappers/
+        # static_graph.py); not predicted by the checker beyond the first launch, so not drawn (seed 762516)
+        sc['static_graph'] = False
     if sc.get('oom') is not None:
         sc['oom'] = _oom_step(sc)
     if sc['model'] == 'bn' and _tiny_microbatch(sc):  # BatchNorm cannot train a microbatch of one sample
@@ -303,8 +370,34 @@ def normalize(sc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ranks(sc: dict) -> int:
-    """How many ranks the per-rank lists (shards, eval and predict shards) cover: both runs' world sizes."""
-    return max(sc['world'], sc.get('resume_world') or 0)
+    """How many ranks the per-rank lists (shards, eval and predict shards) cover: every run's world sizes."""
+    return max(_worlds(sc))
+
+
+def _worlds(sc: dict) -> list[int]:
+    """The world sizes of the scenario's runs: ``world``, then ``resume_world`` and ``chain_world`` if drawn."""
+    return [sc['world']] + [sc[k] for k in ('resume_world', 'chain_world') if sc.get(k)]
+
+
+def _second_fit_steps(sc: dict) -> int:
+    """The steps of the first ``fit()`` resumed on ``resume_world`` (counted from the first launch's step 0): the
+    run a chained resumption takes its checkpoint from."""
+    return len(ref.planned_steps({**sc, 'refit': False, 'chain_world': None, 'chain_at': None}))
+
+
+def _chain_step(sc: dict) -> Optional[int]:
+    """``chain_at`` made a step of the resumed run's first fit after ``resume_at`` (a fraction: of the steps in
+    ``[resume_at + 1, steps - 1]``), or None where no chain is drawn: no such step, or per-rank shard data resumed
+    mid-epoch the first time (its second launch stops with ``UnevenInputsError``: nothing to resume again)."""
+    at, first = sc.get('chain_at'), sc.get('resume_at')
+    if at is None or first is None or not sc.get('resume_world'):
+        return None
+    if sc['source'] not in ('exact', 'torch') and ref.mid_epoch({**sc, 'chain_world': None}):
+        return None
+    second = _second_fit_steps(sc)
+    if isinstance(at, float):
+        at = first + 1 + math.floor(at * max(0, second - first - 1))
+    return at if first < at < second else None
 
 
 def _per_rank_lists(sc: dict, ranks: int) -> None:
@@ -332,6 +425,8 @@ def _tiny_microbatch(sc: dict) -> bool:
     plans = [ref.planned_steps({**sc, 'refit': sc.get('refit')})]
     if sc.get('resume_world'):  # the first launch trains its whole first fit on the old world size
         plans.append(ref.planned_steps({**sc, 'refit': False, 'resume_world': None}))
+    if sc.get('chain_world'):  # and the second its whole first fit from resume_at on
+        plans.append(ref.planned_steps({**sc, 'refit': False, 'chain_world': None}))
     return any(
         len(part[k : k + ref.microbatch_at(sc, t)]) == 1
         for plan in plans
@@ -349,6 +444,24 @@ def _step0_microbatches(sc: dict) -> Optional[list[int]]:
         return None
     mb = ref.microbatch_at({**sc, 'oom': None}, 0)
     return [math.ceil(len(part) / mb) for part in first[0][1] if part]
+
+
+def _resumed_first_steps_alike(sc: dict) -> bool:
+    """Whether the first step of every resumed Trainer on more than one rank (``resume_at`` on ``resume_world`` or
+    ``world``; chained, ``chain_at`` on ``chain_world``) splits into the same number of microbatches on every rank,
+    each rank having a batch."""
+    if sc.get('resume_at') is None:
+        return True
+    firsts = [(sc['resume_at'], sc.get('resume_world') or sc['world'])]
+    if sc.get('chain_world'):
+        firsts.append((sc['chain_at'], sc['chain_world']))
+    steps = ref.planned_steps({**sc, 'oom': None})
+    for t, world in firsts:
+        if world > 1 and t < len(steps):
+            parts, mb = steps[t][1], ref.microbatch_at({**sc, 'oom': None}, t)  # (no OOM beside a resumption)
+            if not all(parts) or len({math.ceil(len(p) / mb) for p in parts if p}) > 1:
+                return False
+    return True
 
 
 def _oom_step(sc: dict) -> Optional[list]:
@@ -386,10 +499,11 @@ def predicted_error(sc: dict) -> Optional[str]:
     the longest ``len()`` (docs/limits.md); rebalancing, any ``len()`` that miscounts (docs/rebalancing.md); DDP's
     ``static_graph`` where step 0 splits into different microbatch counts (docs/limits.md); every rank of the second
     run, resumed on another world size from a mid-epoch checkpoint of per-rank shard data (no global index space:
-    docs/reliability.md, "On another number of ranks")."""
+    docs/reliability.md, "On another number of ranks"; chained: the third run, from such a checkpoint of the
+    second)."""
     if sc.get('resume_world') and sc['source'] not in ('exact', 'torch') and not sc.get('stock') and ref.mid_epoch(sc):
         return 'UnevenInputsError'
-    if sc.get('static_graph') and len(set(_step0_microbatches(sc) or [0])) > 1:
+    if _step0_refused(sc):
         return 'UnevenInputsError'  # docs/limits.md: the static graph's first step must split alike everywhere
     if sc['source'] not in ('over', 'under'):
         return None
@@ -401,6 +515,13 @@ def predicted_error(sc: dict) -> Optional[str]:
     if sc.get('mode') == 'rebalance' and actual != claimed:
         return 'UnevenInputsError'
     return None
+
+
+def _step0_refused(sc: dict) -> bool:
+    """DDP's ``static_graph`` where the first fit's step 0 splits into different microbatch counts: every rank stops
+    there (docs/limits.md); resumed on another world size, in the first launch already (seed 701301: its second
+    launch then has no checkpoint to load)."""
+    return bool(sc.get('static_graph')) and len(set(_step0_microbatches(sc) or [0])) > 1
 
 
 def known_failure(sc: dict) -> Optional[str]:
@@ -415,17 +536,26 @@ def known_failure(sc: dict) -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------------------------- the checker
-def check(sc: dict, per_rank: list[Any], before: Optional[list[Any]] = None) -> list[str]:
+def check(
+    sc: dict, per_rank: list[Any], before: Optional[list[Any]] = None, middle: Optional[list[Any]] = None
+) -> list[str]:
     """What is wrong with the ranks' results for ``sc`` (empty: it passed). Resumed on another world size:
-    ``per_rank`` is the second launch's (``resume_world`` ranks), ``before`` the first's (``world`` ranks: the
-    steps before ``resume_at`` are theirs)."""
+    ``per_rank`` is the last launch's (``resume_world`` ranks, or chained ``chain_world``), ``before`` the first's
+    (``world`` ranks: the steps before ``resume_at`` are theirs), ``middle`` a chain's second (``resume_world``
+    ranks: the steps from ``resume_at`` to before ``chain_at``)."""
     from harness import RankError
 
     problems: list[str] = []
-    for rank, res in enumerate(before or []):
-        if isinstance(res, RankError) or res['error'] is not None:
-            why = res if isinstance(res, RankError) else f'{res["error"][0]}: {res["error"][1][:400]}'
-            return [f'the first launch ({sc["world"]} ranks, saving) failed on rank {rank}: {why}'[:500]]
+    if before is not None and _step0_refused(sc):  # the first launch stops at step 0, as predicted: nothing to resume
+        errors = [None if isinstance(res, RankError) else res['error'] for res in before]
+        if any(e is None or e[0] != 'UnevenInputsError' for e in errors):
+            problems.append(f'expected every rank of the first launch to raise UnevenInputsError; got {errors}'[:800])
+        return problems
+    for which, runs, ranks in (('first', before, sc['world']), ('second', middle, sc.get('resume_world'))):
+        for rank, res in enumerate(runs or []):
+            if isinstance(res, RankError) or res['error'] is not None:
+                why = res if isinstance(res, RankError) else f'{res["error"][0]}: {res["error"][1][:400]}'
+                return [f'the {which} launch ({ranks} ranks, saving) failed on rank {rank}: {why}'[:500]]
     for rank, res in enumerate(per_rank):
         if isinstance(res, RankError):
             return [f'rank {rank} failed outside the run: {res}'[:500]]
@@ -454,10 +584,11 @@ def check(sc: dict, per_rank: list[Any], before: Optional[list[Any]] = None) -> 
                 f'reference {len(want["steps"])}, {want["samples"]}, {want["tokens"]}'
             )
     recorded = [res['steps'] for res in per_rank]
-    if before is not None:  # the steps before the resumption are the first launch's
-        at = sc['resume_at']
-        recorded = [{t: v for t, v in res['steps'].items() if t >= at} for res in per_rank]
+    if before is not None:  # the steps before the resumption are the first launch's (chained: then the second's)
+        at, last = sc['resume_at'], sc.get('chain_at') if middle is not None else None
+        recorded = [{t: v for t, v in res['steps'].items() if t >= (last or at)} for res in per_rank]
         recorded += [{t: v for t, v in res['steps'].items() if t < at} for res in before]
+        recorded += [{t: v for t, v in res['steps'].items() if at <= t < last} for res in middle or []]
     got_steps = max((max(steps, default=-1) for steps in recorded), default=-1) + 1
     for t in range(max(got_steps, len(want['steps']))):
         got = sorted(i for steps in recorded for i in steps.get(t, []))
@@ -595,12 +726,63 @@ def run_elastic(world: int, resume_world: int, scs: list[dict]) -> list[list[str
     return out
 
 
-def launch_key(sc: dict) -> tuple[int, int]:
-    """Scenarios with the same key share launches: the world size, and the one resumed on (0: none)."""
-    return sc['world'], sc.get('resume_world') or 0
+def run_chain(world: int, resume_world: int, chain_world: int, scs: list[dict]) -> list[list[str]]:
+    """Run ``scs`` (chained resumptions: ``world``, then ``resume_world``, then ``chain_world`` ranks) in three
+    launches: the first fits on ``world`` ranks saving after every batch into a folder of each scenario's own; the
+    second loads its checkpoint after ``resume_at`` on ``resume_world`` ranks and fits on, saving after every batch
+    into a second folder; the third loads the second's checkpoint after ``chain_at`` on ``chain_world`` ranks and
+    lives the rest of the scenario. Per scenario, its problems (a failed launch fails them all)."""
+    import shutil
+    import tempfile
+
+    from harness import launch
+
+    tag = f'fuzz47-{world}to{resume_world}to{chain_world}-'
+    firsts = [tempfile.mkdtemp(prefix=tag) for _ in scs]
+    seconds = [tempfile.mkdtemp(prefix=tag) for _ in scs]
+    try:
+        timeout = 90 + 30 * len(scs)
+        calls = [
+            (f's{i}', 'fuzz_rank:save_first_fit', {'sc': sc, 'folder': f}) for i, (sc, f) in enumerate(zip(scs, firsts))
+        ]
+        try:
+            before = launch(world, calls, timeout=timeout, collective_timeout=30)
+        except AssertionError as e:
+            return [[f'the first launch ({world} ranks, saving) failed: {str(e)[-1500:]}'] for _ in scs]
+        calls = [
+            (f's{i}', 'fuzz_rank:save_resumed_fit', {'sc': sc, 'folder': f, 'save_folder': g})
+            for i, (sc, f, g) in enumerate(zip(scs, firsts, seconds))
+        ]
+        try:
+            middle = launch(resume_world, calls, timeout=timeout, collective_timeout=30)
+        except AssertionError as e:
+            return [[f'the second launch ({resume_world} ranks, saving) failed: {str(e)[-1500:]}'] for _ in scs]
+        calls = [(f's{i}', 'fuzz_rank:run', {'sc': sc, 'folder': g}) for i, (sc, g) in enumerate(zip(scs, seconds))]
+        try:
+            results = launch(chain_world, calls, timeout=timeout, collective_timeout=30)
+        except AssertionError as e:
+            return [[f'launch failed (resumed again on {chain_world} ranks): {str(e)[-1500:]}'] for _ in scs]
+    finally:
+        for folder in firsts + seconds:
+            shutil.rmtree(folder, ignore_errors=True)
+    out = []
+    for i, sc in enumerate(scs):
+        try:
+            out.append(check(sc, results[f's{i}'], before=before[f's{i}'], middle=middle[f's{i}']))
+        except Exception as e:  # a checker crash is a failure to look at
+            out.append([f'checker raised {type(e).__name__}: {e}'])
+    return out
 
 
-def _run_group(key: tuple[int, int], scs: list[dict]) -> list[list[str]]:
+def launch_key(sc: dict) -> tuple[int, int, int]:
+    """Scenarios with the same key share launches: the world size, the one resumed on (0: none) and the one
+    resumed on again (chained; 0: none)."""
+    return sc['world'], sc.get('resume_world') or 0, sc.get('chain_world') or 0
+
+
+def _run_group(key: tuple[int, int, int], scs: list[dict]) -> list[list[str]]:
+    if key[2]:
+        return run_chain(key[0], key[1], key[2], scs)
     return run_elastic(key[0], key[1], scs) if key[1] else run_launch(key[0], scs)
 
 
@@ -618,6 +800,7 @@ def run_many(scs: list[dict], chunk: int = CHUNK, confirm: bool = True, log=None
             if log is not None:
                 failed = [scs[i].get('seed', i) for i in part if problems[i]]
                 where = f'{key[0]} ranks' + (f', resumed on {key[1]}' if key[1] else '')
+                where += f', then on {key[2]}' if key[2] else ''
                 slow = ', '.join(
                     f'{seed}: {t:.1f} s' for t, seed in sorted(sc_times[-len(part) :], key=lambda x: -x[0])[:3]
                 )
@@ -646,6 +829,8 @@ def simplifications(sc: dict) -> list[dict]:
         'refit': None,
         'eval': None,
         'predict_shards': None,
+        'chain_world': None,
+        'chain_at': None,
         'resume_world': None,
         'resume_at': None,
         'raise_at': None,
@@ -692,6 +877,9 @@ def simplifications(sc: dict) -> list[dict]:
     for w in range(1, sc.get('resume_world') or 1):  # resumed on fewer ranks
         if w != sc['world']:
             out.append({**sc, 'resume_world': w})
+    for w in range(1, sc.get('chain_world') or 1):  # resumed again on fewer ranks
+        if w != sc['resume_world']:
+            out.append({**sc, 'chain_world': w})
     if sc.get('map_size', 0) > 1:
         out.append({**sc, 'map_size': sc['map_size'] - 1})
     if sc['batch'] > 1:
@@ -798,12 +986,18 @@ def _only(pairs: list[str]) -> dict[str, Any]:
 
 
 def fuzz(
-    seed: int, n: int, do_shrink: bool = True, log=print, elastic: bool = False, only: Optional[dict] = None
+    seed: int,
+    n: int,
+    do_shrink: bool = True,
+    log=print,
+    elastic: bool = False,
+    only: Optional[dict] = None,
+    chain: bool = False,
 ) -> list[dict]:
     """Seeds ``seed .. seed + n - 1`` (``elastic``: the first ``n`` from ``seed`` whose scenarios resume on another
-    world size; ``only``: the first ``n`` whose scenarios have these values); the failures (each with its problems
-    and, shrunk, its smallest form)."""
-    chosen = {**(only or {}), **({'resume_world': ANY} if elastic else {})}
+    world size; ``chain``: whose scenarios resume twice; ``only``: the first ``n`` whose scenarios have these
+    values); the failures (each with its problems and, shrunk, its smallest form)."""
+    chosen = {**(only or {}), **({'resume_world': ANY} if elastic else {}), **({'chain_world': ANY} if chain else {})}
     seeds = chosen_seeds(seed, n, chosen) if chosen else list(range(seed, seed + n))
     if chosen:
         log(f'seeds: {seeds}', flush=True)
@@ -841,6 +1035,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         '--elastic', action='store_true', help='only scenarios resumed on another world size (the first N from SEED)'
     )
     parser.add_argument(
+        '--chain', action='store_true', help='only scenarios resumed twice, 2 -> 3 -> 2 say (the first N from SEED)'
+    )
+    parser.add_argument(
         '--only',
         action='append',
         default=[],
@@ -857,15 +1054,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f'smallest: {reproduce(shrink(sc))}')
         return 1 if problems else 0
     seed = args.seed if args.seed is not None else int(time.time()) % 10**6
-    flag = (' --elastic' if args.elastic else '') + ''.join(f' --only {pair}' for pair in args.only)
+    flag = (' --elastic' if args.elastic else '') + (' --chain' if args.chain else '')
+    flag += ''.join(f' --only {pair}' for pair in args.only)
     only = _only(args.only)
     print(f'seed {seed} (reproduce this run: {COMMAND} --seed {seed} --n {args.n}{flag})', flush=True)
     if args.show:
-        chosen = {**only, **({'resume_world': ANY} if args.elastic else {})}
+        chosen = {
+            **only,
+            **({'resume_world': ANY} if args.elastic else {}),
+            **({'chain_world': ANY} if args.chain else {}),
+        }
         for s in chosen_seeds(seed, args.n, chosen) if chosen else range(seed, seed + args.n):
             print(json.dumps(draw(s)))
         return 0
-    return 1 if fuzz(seed, args.n, do_shrink=not args.no_shrink, elastic=args.elastic, only=only) else 0
+    failures = fuzz(seed, args.n, do_shrink=not args.no_shrink, elastic=args.elastic, only=only, chain=args.chain)
+    return 1 if failures else 0
 
 
 if __name__ == '__main__':

@@ -127,6 +127,9 @@ ELASTIC: list[dict] = [
     # FSDP2 2 -> 1 mid-epoch
     {'world': 2, 'resume_world': 1, 'batch': 2, 'source': 'exact', 'map_size': 9, 'duration': [2, 'ep'], 'resume_at': 1}
     | {'wrapper': 'fsdp2'},
+    # chained, 2 -> 3 -> 2: the resumed run's checkpoint inside the rest of epoch 0 resumed again (three launches)
+    {'world': 2, 'resume_world': 3, 'chain_world': 2, 'batch': 2, 'source': 'exact', 'map_size': 13, 'shuffle': True}
+    | {'duration': [2, 'ep'], 'resume_at': 1, 'chain_at': 2, 'eval': 'own', 'eval_batch': 2, 'eval_shards': [1, 2, 3]},
     # refused: per-rank shards mid-epoch, 2 -> 1 and 3 -> 2 (UnevenInputsError on every rank of the second launch)
     {
         'world': 2,
@@ -202,8 +205,9 @@ def test_reference_matches_stock_composer_on_even_shards():
 
 
 def test_elastic_scenarios_resume_on_another_world_size():
-    """Fixed scenarios resumed on another world size (2 -> 3, 3 -> 2, 2 -> 1; FSDP2; refused) with UnevenJoin pass:
-    two launches each, the reference replaying both runs (docs/reliability.md, "Elastic resumption")."""
+    """Fixed scenarios resumed on another world size (2 -> 3, 3 -> 2, 2 -> 1; FSDP2; refused; 2 -> 3 -> 2) with
+    UnevenJoin pass: two launches each (three chained), the reference replaying every run (docs/reliability.md,
+    "Elastic resumption")."""
     scs = [fuzz.normalize(sc) for sc in ELASTIC]
     for given, sc in zip(ELASTIC, scs):
         assert all(sc.get(k) == v for k, v in given.items()), (given, sc)
@@ -289,6 +293,34 @@ def test_reference_batches_the_rest_of_a_resumed_epoch_anew():
     assert want['steps'][2:] == [[[7000, 7002], [7001, 7003]], [[7006]]]  # [7006, 7007] through 'drop'
     assert want['loaded'][1] == ref.expected_loaded(sc, 1) == dict.fromkeys(old[0] + old[1], 1)
     assert 7007 in ref.expected_counts(sc, 1) and 7007 not in want['trained'][1]  # the old batch [7007] kept it
+
+
+def test_reference_deals_a_chained_resumptions_rest_anew():
+    """Chained (2 -> 3 -> 2): the resumed run's checkpoint inside the rest of the epoch it resumed is resumed again,
+    what no rank of the second run had used of its share dealt over the third run's ranks (docs/reliability.md,
+    "Elastic resumption": the layout is kept); by hand: 13 ids not shuffled, batches of 2."""
+    sc = fuzz.normalize(
+        dict(world=2, batch=2, source='exact', map_size=13, resume_at=1, resume_world=3, chain_at=2, chain_world=2)
+    )
+    assert (sc['resume_at'], sc['chain_at'], sc['chain_world']) == (1, 2, 2)
+    assert ref.resumptions_in(sc) == [(0, 1, True), (0, 2, True)] and ref.final_world(sc) == 2
+    # step 0 on 2 ranks; the rest [4, 6, 8, 10, 12, 5, 7, 9, 11] over 3; its first step used 2 of each share; the
+    # rest of those shares [7], [9], [11] over 2
+    steps = [[[i - 7000 for i in part] for part in step] for step in ref.train(sc)['steps']]
+    assert steps == [[[0, 2], [1, 3]], [[4, 10], [6, 12], [5, 8]], [[7, 11], [9]]]
+    # per-rank shard data: a chain from an epoch's last batch, the third run refused mid-epoch
+    sc = dict(world=2, batch=1, shards=[2, 2, 1], duration=[2, 'ep'], resume_at=2, resume_world=3, chain_world=1)
+    assert 'chain_world' not in fuzz.normalize(sc)  # no chain_at: no chain
+    sc = fuzz.normalize({**sc, 'chain_at': 3})
+    assert sc['chain_at'] == 3 and fuzz.predicted_error(sc) == 'UnevenInputsError'
+    assert 'chain_world' not in fuzz.normalize({**sc, 'resume_at': 1})  # the second run refused: nothing to chain
+    drawn = [fuzz.draw(s) for s in fuzz.chosen_seeds(610000, 20, {'chain_world': fuzz.ANY})]
+    assert all(len(ref.resumptions_in(sc)) == 2 and fuzz.normalize(sc) == sc for sc in drawn)
+    assert any(sc['chain_world'] == sc['world'] for sc in drawn) and any(fuzz.predicted_error(sc) for sc in drawn)
+    small = fuzz.shrink(
+        drawn[0], fails=lambda cands: [bool(c.get('chain_world')) for c in cands], rounds=100, log=lambda *a, **k: None
+    )
+    assert small['chain_world'] and small['resume_world'] and small['world'] == 2, small
 
 
 def _head_model(use_extra: bool):

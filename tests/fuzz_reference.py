@@ -405,12 +405,13 @@ def step_loss(module: Net, sc: dict, step: list[Optional[list[Sample]]], t: int 
     return loss / total * factor
 
 
-def train(sc: dict) -> dict[str, Any]:
-    """The parameters after the scenario's training, the steps (ids per rank), and what each epoch trained."""
+def train(sc: dict, upto: Optional[int] = None) -> dict[str, Any]:
+    """The parameters after the scenario's training, the steps (ids per rank), and what each epoch trained;
+    ``upto``: after its first ``upto`` steps only (a checkpoint's: ``resume_at``)."""
     module = make_model(sc)
     module.train()
     optimizer = make_optimizer(sc, module.parameters())
-    batches = planned_batches(sc)
+    batches = planned_batches(sc)[:upto]
     steps = [(epoch, _samples(sc, [step])[0]) for epoch, step in batches]
     for t, (_, step) in enumerate(steps):
         optimizer.zero_grad(set_to_none=True)
@@ -488,9 +489,16 @@ def outputs(state: dict[str, torch.Tensor], sc: dict, ids: list[int]) -> tuple[t
         return module(x, y), y
 
 
-def evaluate(state: dict[str, torch.Tensor], sc: dict) -> dict[str, float]:
-    """Accuracy and mean per-sample loss over every rank's eval samples (of the world the scenario ends on) at once."""
-    out, y = outputs(state, sc, [i for r in range(final_world(sc)) for i in eval_ids(sc, r)])
+def initial_state(sc: dict) -> dict[str, torch.Tensor]:
+    """The scenario's model's state (parameters and buffers) before any training: what an evaluation before the
+    first ``fit()`` evaluates (``eval_first``)."""
+    return {k: v.detach().clone() for k, v in make_model(sc).state_dict().items()}
+
+
+def evaluate(state: dict[str, torch.Tensor], sc: dict, world: Optional[int] = None) -> dict[str, float]:
+    """Accuracy and mean per-sample loss over every rank's eval samples (of ``world`` ranks; default: the world the
+    scenario ends on) at once."""
+    out, y = outputs(state, sc, [i for r in range(world or final_world(sc)) for i in eval_ids(sc, r)])
     return {
         'accuracy': float((out.argmax(1) == y).float().mean()) if len(y) else math.nan,
         'loss': float(F.cross_entropy(out, y)) if len(y) else math.nan,

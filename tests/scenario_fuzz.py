@@ -49,7 +49,9 @@ Drawn now:
 
 Not yet drawn: an exception on only some ranks, a chain of resumptions (2 -> 3 -> 2).
 
-A scenario passes when: every rank's parameters are within :data:`TOL` of the reference's, every rank holds the
+A scenario passes when: every rank's parameters are within :data:`TOL` of the reference's (or, where the scenario
+amplifies float32 rounding past it, within :data:`NOISE` times the reference's own distance from the same training
+in float64: ``fuzz_reference.float_noise``, BatchNorm over small microbatches, seed 642866), every rank holds the
 same state (parameters and buffers), each step trained exactly the reference's samples (so every id as often as
 its shard holds it, checked per epoch against the data itself: loaded once each, before the batch transform, and
 trained as the transform leaves the data's batches, except an epoch resumed mid-epoch on another world size with
@@ -89,6 +91,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import fuzz_reference as ref
 
 TOL = 1e-6
+NOISE = 4  # a rank within this many times the reference's own float32 noise (float32 vs float64) also passes
 CHUNK = 20  # scenarios per launch
 COMMAND = 'PYTHONPATH=. python tests/scenario_fuzz.py'
 
@@ -463,11 +466,14 @@ def check(sc: dict, per_rank: list[Any], before: Optional[list[Any]] = None) -> 
         return [f'rank {r} raised {e[0]}: {e[1][:400]} (at {where[r]})' for r, e in enumerate(errors) if e]
     want = ref.train(sc)
     names = list(want['params'])
+    noise: Optional[float] = None
     for rank, res in enumerate(per_rank):
         params = {k: res['state'][k] for k in names}
         diff = ref.max_abs_diff(params, want['params'])
-        if not diff < TOL:
-            problems.append(f'rank {rank} is {diff:.2e} from the reference')
+        if not diff < TOL:  # past TOL: within NOISE times the reference's own float32 noise passes (ref.float_noise)
+            noise = ref.float_noise(sc, want['params']) if noise is None else noise
+            if not diff < NOISE * noise:
+                problems.append(f'rank {rank} is {diff:.2e} from the reference (its own float32 noise {noise:.1e})')
         keys = names if sc.get('stock') else list(res['state'])  # stock Composer leaves BatchNorm buffers per rank
         if any(not torch.equal(res['state'][k], per_rank[0]['state'][k]) for k in keys):
             problems.append(f'rank {rank} holds another state than rank 0')
@@ -511,11 +517,12 @@ def _check_twin(sc: dict, per_rank: list[dict]) -> list[str]:
     """The second Trainer with the same ``UnevenJoin`` (``twin``) trained the first fit as a fresh one would."""
     if not sc.get('twin'):
         return []
-    want = ref.train({k: v for k, v in sc.items() if k not in ('refit', 'resume_at', 'oom')})  # (no OOM: its own)
+    alone = {k: v for k, v in sc.items() if k not in ('refit', 'resume_at', 'oom')}  # (no OOM: its own)
+    want = ref.train(alone)
     problems = []
     for rank, res in enumerate(per_rank):
         diff = ref.max_abs_diff({k: res['twin'][k] for k in want['params']}, want['params'])
-        if not diff < TOL:
+        if not diff < TOL and not diff < NOISE * ref.float_noise(alone, want['params']):  # (seed 680003)
             problems.append(f'twin: rank {rank} is {diff:.2e} from the reference')
         if res['twin_time'] != [len(want['steps']), want['samples']]:
             problems.append(
@@ -566,7 +573,7 @@ def _check_eval_first(sc: dict, per_rank: list[dict], before: Optional[list[dict
                 problems.append(f'eval_first resumed: rank {rank} has no state')
                 continue
             diff = ref.max_abs_diff({k: state[k] for k in want}, want)
-            if not diff < TOL:
+            if not diff < TOL and not diff < NOISE * ref.float_noise(sc, want, upto=sc['resume_at']):
                 problems.append(f'eval_first resumed: rank {rank} loaded a state {diff:.2e} from the reference')
             if any(not torch.equal(state[k], per_rank[0]['eval_first_state'][k]) for k in state):
                 problems.append(f'eval_first resumed: rank {rank} loaded another state than rank 0')

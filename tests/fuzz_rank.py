@@ -1,7 +1,7 @@
 """The scenario fuzzer's rank side: one drawn scenario (``tests/scenario_fuzz.py``) as a real Composer run.
 
 :func:`run` builds the data, model and Trainer the scenario describes from ``tests/fuzz_reference.py``'s pools and
-models, with ``UnevenJoin`` (or, ``stock``, without), runs its life (fit, a second fit, evaluations, predict) and
+models, with ``UnevenJoin`` (or, ``stock``, without), runs its life (evaluations before the first fit, fit, a second fit, evaluations, predict) and
 returns plain data for the checker: the ids of the real samples each step trained on this rank, the final state,
 the timestamp, the evaluations' metrics, the predictions, or the error it raised. Many scenarios run one after
 another in one launch (one process group). A scenario resumed on another world size (``resume_world``) takes two
@@ -13,6 +13,7 @@ on ``chain_world`` ranks from the second's checkpoint after ``chain_at``. Not a 
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import shutil
@@ -331,7 +332,7 @@ def build(
     if sc.get('find_unused'):
         algorithms.append(AsksForUnusedParameters())
     evaluator: Optional[Evaluator] = None
-    if sc.get('eval') in ('own', 'both'):
+    if sc.get('eval') in ('own', 'both') or (sc.get('eval_first') or [0, None])[1] in ('own', 'both'):
         evaluator = make_evaluator(sc, rank, 'eval')
     value, unit = sc['duration']
     trainer = Trainer(
@@ -370,10 +371,34 @@ def folder_for(sc: dict) -> str:
     return os.path.join(tempfile.gettempdir(), f'fuzz47-{os.environ["MASTER_PORT"]}-{zlib.crc32(repr(sc).encode())}')
 
 
-def saving_fit(sc: dict, rank: int, folder: str) -> dict[int, list[int]]:
-    """The first ``fit()`` on ``world`` ranks with a checkpoint after every batch in ``folder``; its steps."""
+def evaluations_first(trainer: Trainer, sc: dict, rank: int) -> list[dict[str, Any]]:
+    """The ``eval()`` calls made before the trainer's first ``fit()`` (``eval_first``: ``[calls, kind]``, kind 'own':
+    the Trainer's own loader, 'passed': one passed to ``eval()``, 'both': one call of each); per call, the metrics
+    by kind. None drawn: no call, an empty list."""
+    if not sc.get('eval_first'):
+        return []
+    calls, kind = sc['eval_first']
+    out = []
+    for _ in range(calls):
+        got: dict[str, Any] = {}
+        if kind in ('own', 'both'):
+            retried(trainer.eval)
+            got['own'] = metrics_of(trainer, 'eval')
+        if kind in ('passed', 'both'):
+            retried(functools.partial(trainer.eval, eval_dataloader=make_evaluator(sc, rank, 'passed')))
+            got['passed'] = metrics_of(trainer, 'passed')
+        out.append(got)
+    return out
+
+
+def saving_fit(sc: dict, rank: int, folder: str, early: Optional[dict] = None) -> dict[int, list[int]]:
+    """The first ``fit()`` on ``world`` ranks with a checkpoint after every batch in ``folder``; its steps. Before
+    it, the evaluations ``eval_first`` asks for (their metrics into ``early['eval_first']``)."""
     save = dict(save_folder=folder, save_interval='1ba', save_overwrite=True, save_num_checkpoints_to_keep=-1)
     trainer, _, before = build(sc, rank, **save)
+    got = evaluations_first(trainer, sc, rank)
+    if early is not None:
+        early['eval_first'] = got
     retried(trainer.fit)
     trainer.close()
     return before.steps
@@ -387,13 +412,19 @@ def checkpoint(sc: dict, folder: str, at: Optional[int] = None) -> str:
     return path
 
 
-def first_fit(sc: dict, rank: int, folder: Optional[str] = None) -> tuple[Trainer, Model, dict[int, list[int]]]:
+def first_fit(
+    sc: dict, rank: int, folder: Optional[str] = None, early: Optional[dict] = None
+) -> tuple[Trainer, Model, dict[int, list[int]]]:
     """The first ``fit()``; with ``resume_at`` k: a fit saving after every batch, then a fresh trainer loaded from
     the checkpoint after batch k fits to the end (the steps before k are the first run's). Resumed on another world
     size (``resume_world``): the saving fit was the first launch's (:func:`save_first_fit`, into ``folder``); this
-    launch only loads and fits on (its steps from k on)."""
+    launch only loads and fits on (its steps from k on). ``eval_first``: evaluations before the first trainer's
+    first ``fit()`` (their metrics into ``early['eval_first']``); resumed on another world size, this launch's
+    trainer evaluates first, just loaded (its state then into ``early['eval_first_state']``)."""
+    early = {} if early is None else early
     if sc.get('resume_at') is None:
         trainer, model, steps = build(sc, rank)
+        early['eval_first'] = evaluations_first(trainer, sc, rank)
         retried(trainer.fit)
         return trainer, model, steps.steps
     if sc.get('resume_world'):
@@ -401,8 +432,11 @@ def first_fit(sc: dict, rank: int, folder: Optional[str] = None) -> tuple[Traine
         before: dict[int, list[int]] = {}
     else:
         folder = folder_for(sc)
-        before = saving_fit(sc, rank, folder)
+        before = saving_fit(sc, rank, folder, early)
     trainer, model, steps = build(sc, rank, load_path=checkpoint(sc, folder, sc.get('chain_at')))
+    if sc.get('resume_world') and sc.get('eval_first'):  # the resumed launch's first call (chained: the third's)
+        early['eval_first_state'] = full_state(trainer, model, sc)
+        early['eval_first'] = evaluations_first(trainer, sc, rank)
     retried(trainer.fit)
     merged = {t: ids for t, ids in before.items() if t < sc['resume_at']}
     merged.update(steps.steps)
@@ -414,8 +448,9 @@ def save_first_fit(sc: dict, folder: str) -> dict[str, Any]:
     """The first launch of a scenario resumed on another world size, on ``world`` ranks: its first ``fit()`` saving
     after every batch into ``folder`` (which outlives the launch); ``{'error', 'steps'}`` for the checker."""
     assert dist.get_world_size() == sc['world'], (dist.get_world_size(), sc['world'])
+    early: dict[str, Any] = {}
     try:
-        return {'error': None, 'steps': saving_fit(sc, dist.get_global_rank(), folder)}
+        return {'error': None, 'steps': saving_fit(sc, dist.get_global_rank(), folder, early), **early}
     except Exception as e:  # the checker fails the scenario with it
         return {'error': (type(e).__name__, str(e)[:2000]), 'steps': {}}
 
@@ -445,7 +480,7 @@ def run(sc: dict, folder: Optional[str] = None) -> dict[str, Any]:
     started = time.monotonic()
     trainer: Optional[Trainer] = None
     try:
-        trainer, model, steps = first_fit(sc, rank, folder)
+        trainer, model, steps = first_fit(sc, rank, folder, out)
         if sc.get('twin'):  # a second Trainer with the same UnevenJoin trains the first fit again, from scratch
             joins = [a for a in trainer.state.algorithms if type(a).__name__ == 'UnevenJoin']
             twin, twin_model, _ = build(sc, rank, join=joins[0] if joins else None, faults=False)

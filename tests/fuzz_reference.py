@@ -119,7 +119,7 @@ class SyncNorm(torch.nn.Module):
             n = stats[2 * c]
             mean = stats[:c] / n
             var = stats[c : 2 * c] / n - mean * mean
-            mean, var = mean.float(), var.float()
+            mean, var = mean.to(x.dtype), var.to(x.dtype)  # (float32 but in the float-noise estimate)
             if n > 0:
                 with torch.no_grad():
                     self.running_mean.lerp_(mean.detach(), 0.1)
@@ -478,17 +478,21 @@ def step_loss(module: Net, sc: dict, step: list[Optional[list[Sample]]], t: int 
         together = [s[k : k + mb] for s in parts for k in range(0, len(s), mb)]
     for samples in together:
         x, y = tensors(samples, sc)
+        x = x.to(next(module.parameters()).dtype)  # (float64 in the float-noise estimate: train(double=True))
         loss = loss + F.cross_entropy(module(x, y), y, reduction='none').sum()
     factor = len(parts) / len(step) if sc.get('divide', True) else 1.0
     return loss / total * factor
 
 
-def train(sc: dict) -> dict[str, Any]:
-    """The parameters after the scenario's training, the steps (ids per rank), and what each epoch trained."""
-    module = make_model(sc)
+def train(sc: dict, upto: Optional[int] = None, double: bool = False) -> dict[str, Any]:
+    """The parameters after the scenario's training, the steps (ids per rank), and what each epoch trained;
+    ``upto``: after its first ``upto`` steps only (a checkpoint's: ``resume_at``); ``double``: the same training in
+    float64 (its distance from the float32 one measures how much the scenario amplifies float32 rounding:
+    :func:`float_noise`)."""
+    module = make_model(sc).double() if double else make_model(sc)
     module.train()
     optimizer = make_optimizer(sc, module.parameters())
-    batches = planned_batches(sc)
+    batches = planned_batches(sc)[:upto]
     steps = [(epoch, _samples(sc, [step])[0]) for epoch, step in batches]
     for t, (_, step) in enumerate(steps):
         optimizer.zero_grad(set_to_none=True)
@@ -565,13 +569,29 @@ def outputs(state: dict[str, torch.Tensor], sc: dict, ids: list[int]) -> tuple[t
         return module(x, y), y
 
 
-def evaluate(state: dict[str, torch.Tensor], sc: dict) -> dict[str, float]:
-    """Accuracy and mean per-sample loss over every rank's eval samples (of the world the scenario ends on) at once."""
-    out, y = outputs(state, sc, [i for r in range(final_world(sc)) for i in eval_ids(sc, r)])
+def initial_state(sc: dict) -> dict[str, torch.Tensor]:
+    """The scenario's model's state (parameters and buffers) before any training: what an evaluation before the
+    first ``fit()`` evaluates (``eval_first``)."""
+    return {k: v.detach().clone() for k, v in make_model(sc).state_dict().items()}
+
+
+def evaluate(state: dict[str, torch.Tensor], sc: dict, world: Optional[int] = None) -> dict[str, float]:
+    """Accuracy and mean per-sample loss over every rank's eval samples (of ``world`` ranks; default: the world the
+    scenario ends on) at once."""
+    out, y = outputs(state, sc, [i for r in range(world or final_world(sc)) for i in eval_ids(sc, r)])
     return {
         'accuracy': float((out.argmax(1) == y).float().mean()) if len(y) else math.nan,
         'loss': float(F.cross_entropy(out, y)) if len(y) else math.nan,
     }
+
+
+def float_noise(sc: dict, params: Optional[dict[str, torch.Tensor]] = None, upto: Optional[int] = None) -> float:
+    """How far the float32 reference's parameters (``params``, else trained here) are from the same training in
+    float64: the scenario's own float32 noise. BatchNorm over small microbatches can amplify rounding far past
+    1e-6 (seed 642866: 1.0e-5; the ranks, and stock Composer on even shards, 2.0e-6 to 5.5e-6 from the float32
+    reference), where no order of summation is more right than another. ``upto``: as :func:`train`'s."""
+    params = params if params is not None else train(sc, upto)['params']
+    return max_abs_diff(params, {k: v.float() for k, v in train(sc, upto, double=True)['params'].items()})
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -41,6 +41,16 @@ __all__ = ['Run']
 _FIT_IDS, _BATCH_IDS = frozenset(map(id, FIT_EVENTS)), frozenset(map(id, BATCH_EVENTS))
 
 
+def wrapper_state(resumed: Optional[Resumed]) -> dict[str, Any]:
+    """What a checkpoint gave the wrapper part, for this run: nothing from a checkpoint of another world size (under
+    DDP the buffer source it names may be no rank here, and every rank loaded the same buffers: rank 0 serves, as
+    the fit that resumes it sets too). An evaluation before that fit broadcasts from it (seed 754544: 3 ranks
+    resumed on 2, ``eval()`` first, 'invalid root rank: 2')."""
+    if resumed is None or resumed.world_size not in (None, dist.get_world_size()):
+        return {}
+    return resumed.wrapper
+
+
 class Run:
     """One trainer's UnevenJoin while active: its sessions, and which of Composer's events they take.
 
@@ -58,7 +68,7 @@ class Run:
     ):
         rank = dist.get_global_rank()
         wrapper = wrapper_for(state, rank)
-        wrapper.load_state_dict(resumed.wrapper if resumed is not None else {})
+        wrapper.load_state_dict(wrapper_state(resumed))
         # the data-parallel members: tensor-parallel groups join as one
         self.context = Context(state, settings, wrapper, trainer_layout(state), rank, reports, algorithm)
         self.resumed = resumed  # what a checkpoint gave, until a fit trains a batch from it
@@ -135,7 +145,7 @@ class Run:
         """Composer loaded a checkpoint into this run's trainer (after a fit of it, say): the next fit starts from it."""
         self.reports[:] = resumed.reports  # (the run appends to this list)
         self.resumed, self._resumed_at = resumed, None
-        self.wrapper.load_state_dict(resumed.wrapper)
+        self.wrapper.load_state_dict(wrapper_state(resumed))
 
     def fit_start(self, state: State) -> None:
         self._close(fit=True)  # of a run that raised: none goes on now

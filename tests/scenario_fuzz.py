@@ -766,87 +766,51 @@ def run_launch(world: int, scs: list[dict]) -> list[list[str]]:
     return out
 
 
-def run_elastic(world: int, resume_world: int, scs: list[dict]) -> list[list[str]]:
-    """Run ``scs`` (all first fitted on ``world`` ranks and resumed on ``resume_world``) in two launches: the first
-    fits on ``world`` ranks saving after every batch into a folder of each scenario's own (made here, passed to both
-    launches, removed after the second); the second loads the checkpoint after ``resume_at`` on ``resume_world``
-    ranks and lives the rest of the scenario. Per scenario, its problems (a failed first launch fails them all)."""
+def run_resumed(worlds: tuple[int, ...], scs: list[dict]) -> list[list[str]]:
+    """Run ``scs`` resumed on other world sizes: ``worlds`` are the launches' (``world``, ``resume_world``, and chained
+    ``chain_world``), every scenario of ``scs`` the same. The first launch fits on ``worlds[0]`` ranks saving after
+    every batch into a folder of each scenario's own; a chain's middle launch loads its checkpoint after
+    ``resume_at`` and fits on, saving after every batch into a second folder; the last launch loads the checkpoint
+    before it (after ``resume_at``, chained ``chain_at``) and lives the rest of the scenario. The folders are made
+    here and removed after the last launch. Per scenario, its problems (a failed launch fails them all)."""
     import shutil
     import tempfile
 
     from harness import launch
 
-    folders = [tempfile.mkdtemp(prefix=f'fuzz47-{world}to{resume_world}-') for _ in scs]
+    tag = 'fuzz47-' + 'to'.join(map(str, worlds)) + '-'
+    folders = [[tempfile.mkdtemp(prefix=tag) for _ in scs] for _ in worlds[:-1]]  # per saving launch
+    saving = ['fuzz_rank:save_first_fit', 'fuzz_rank:save_resumed_fit']
+    results: list[dict[str, list[Any]]] = []
     try:
         timeout = 90 + 30 * len(scs)
-        calls = [
-            (f's{i}', 'fuzz_rank:save_first_fit', {'sc': sc, 'folder': f})
-            for i, (sc, f) in enumerate(zip(scs, folders))
-        ]
-        try:
-            before = launch(world, calls, timeout=timeout, collective_timeout=30)
-        except AssertionError as e:
-            return [[f'the first launch ({world} ranks, saving) failed: {str(e)[-1500:]}'] for _ in scs]
-        calls = [(f's{i}', 'fuzz_rank:run', {'sc': sc, 'folder': f}) for i, (sc, f) in enumerate(zip(scs, folders))]
-        try:
-            results = launch(resume_world, calls, timeout=timeout, collective_timeout=30)
-        except AssertionError as e:
-            return [[f'launch failed (resumed on {resume_world} ranks): {str(e)[-1500:]}'] for _ in scs]
+        for n, world in enumerate(worlds):
+            if n == len(worlds) - 1:
+                calls = [(f's{i}', 'fuzz_rank:run', {'sc': sc, 'folder': folders[-1][i]}) for i, sc in enumerate(scs)]
+            elif n == 0:
+                calls = [(f's{i}', saving[0], {'sc': sc, 'folder': folders[0][i]}) for i, sc in enumerate(scs)]
+            else:
+                calls = [
+                    (f's{i}', saving[1], {'sc': sc, 'folder': folders[n - 1][i], 'save_folder': folders[n][i]})
+                    for i, sc in enumerate(scs)
+                ]
+            try:
+                results.append(launch(world, calls, timeout=timeout, collective_timeout=30))
+            except AssertionError as e:
+                role = 'saving' if n < len(worlds) - 1 else 'the rest of the scenario'
+                return [
+                    [f'launch {n + 1} of {len(worlds)} ({world} ranks, {role}) failed: {str(e)[-1500:]}'] for _ in scs
+                ]
     finally:
-        for folder in folders:
+        for folder in (f for per_launch in folders for f in per_launch):
             shutil.rmtree(folder, ignore_errors=True)
     out = []
     for i, sc in enumerate(scs):
+        earlier = {'before': results[0][f's{i}']}
+        if len(worlds) == 3:
+            earlier['middle'] = results[1][f's{i}']
         try:
-            out.append(check(sc, results[f's{i}'], before=before[f's{i}']))
-        except Exception as e:  # a checker crash is a failure to look at
-            out.append([f'checker raised {type(e).__name__}: {e}'])
-    return out
-
-
-def run_chain(world: int, resume_world: int, chain_world: int, scs: list[dict]) -> list[list[str]]:
-    """Run ``scs`` (chained resumptions: ``world``, then ``resume_world``, then ``chain_world`` ranks) in three
-    launches: the first fits on ``world`` ranks saving after every batch into a folder of each scenario's own; the
-    second loads its checkpoint after ``resume_at`` on ``resume_world`` ranks and fits on, saving after every batch
-    into a second folder; the third loads the second's checkpoint after ``chain_at`` on ``chain_world`` ranks and
-    lives the rest of the scenario. Per scenario, its problems (a failed launch fails them all)."""
-    import shutil
-    import tempfile
-
-    from harness import launch
-
-    tag = f'fuzz47-{world}to{resume_world}to{chain_world}-'
-    firsts = [tempfile.mkdtemp(prefix=tag) for _ in scs]
-    seconds = [tempfile.mkdtemp(prefix=tag) for _ in scs]
-    try:
-        timeout = 90 + 30 * len(scs)
-        calls = [
-            (f's{i}', 'fuzz_rank:save_first_fit', {'sc': sc, 'folder': f}) for i, (sc, f) in enumerate(zip(scs, firsts))
-        ]
-        try:
-            before = launch(world, calls, timeout=timeout, collective_timeout=30)
-        except AssertionError as e:
-            return [[f'the first launch ({world} ranks, saving) failed: {str(e)[-1500:]}'] for _ in scs]
-        calls = [
-            (f's{i}', 'fuzz_rank:save_resumed_fit', {'sc': sc, 'folder': f, 'save_folder': g})
-            for i, (sc, f, g) in enumerate(zip(scs, firsts, seconds))
-        ]
-        try:
-            middle = launch(resume_world, calls, timeout=timeout, collective_timeout=30)
-        except AssertionError as e:
-            return [[f'the second launch ({resume_world} ranks, saving) failed: {str(e)[-1500:]}'] for _ in scs]
-        calls = [(f's{i}', 'fuzz_rank:run', {'sc': sc, 'folder': g}) for i, (sc, g) in enumerate(zip(scs, seconds))]
-        try:
-            results = launch(chain_world, calls, timeout=timeout, collective_timeout=30)
-        except AssertionError as e:
-            return [[f'launch failed (resumed again on {chain_world} ranks): {str(e)[-1500:]}'] for _ in scs]
-    finally:
-        for folder in firsts + seconds:
-            shutil.rmtree(folder, ignore_errors=True)
-    out = []
-    for i, sc in enumerate(scs):
-        try:
-            out.append(check(sc, results[f's{i}'], before=before[f's{i}'], middle=middle[f's{i}']))
+            out.append(check(sc, results[-1][f's{i}'], **earlier))
         except Exception as e:  # a checker crash is a failure to look at
             out.append([f'checker raised {type(e).__name__}: {e}'])
     return out
@@ -859,14 +823,13 @@ def launch_key(sc: dict) -> tuple[int, int, int]:
 
 
 def _run_group(key: tuple[int, int, int], scs: list[dict]) -> list[list[str]]:
-    if key[2]:
-        return run_chain(key[0], key[1], key[2], scs)
-    return run_elastic(key[0], key[1], scs) if key[1] else run_launch(key[0], scs)
+    worlds = tuple(w for w in key if w)
+    return run_resumed(worlds, scs) if len(worlds) > 1 else run_launch(key[0], scs)
 
 
 def run_many(scs: list[dict], chunk: int = CHUNK, confirm: bool = True, log=None) -> list[list[str]]:
     """Problems per scenario; scenarios of a :func:`launch_key` share launches of ``chunk`` (resumed on another world
-    size: pairs of launches, :func:`run_elastic`). A scenario that failed in a shared launch is run again alone
+    size: two or three launches, :func:`run_resumed`). A scenario that failed in a shared launch is run again alone
     (``confirm``): a hang poisons the scenarios after it. ``log``: a line per launch."""
     problems: list[list[str]] = [[] for _ in scs]
     for key in sorted({launch_key(sc) for sc in scs}):
